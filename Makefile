@@ -1,0 +1,33 @@
+# ray_ckpt developer entry points. Every target creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build of torch 2.13 installs from local disk here; pyproject.toml admits a range around it.
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.ray_ckpt-installed
+
+.PHONY: venv demo test bench bench-quick clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PIP) install -q --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/failure_injection_demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run --mode full
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks.run --mode quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
