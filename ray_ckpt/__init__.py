@@ -1,0 +1,1 @@
+"""ray_ckpt: per-iteration, bit-exact differential checkpointing for distributed PyTorch on Ray."""

@@ -1,0 +1,54 @@
+"""Gradient support published by compression hooks, consumed by the capture.
+
+A compression hook (for instance :func:`ray_ckpt.compression.topk_hook`) already knows, for each parameter,
+which flat positions of its aggregated gradient are non-zero this step. Publishing those positions lets the
+capture gather just those values (``O(k)``) instead of copying or scanning the dense gradient (``O(n)``).
+
+Call order, per training step, all in the training process:
+
+1. the DDP communication hook calls :func:`publish` for every parameter of its bucket (any thread);
+2. DDP copies the bucket into ``param.grad``; the user may clip or unscale (scaling keeps the support);
+3. the optimizer's step pre-hook installed by the capture calls :func:`take` once per parameter.
+
+An entry is consumed by :func:`take`, so a stale support can never be applied to a later step.
+Everything here is torch-only and thread-safe.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+_lock = threading.Lock()
+# id(param) -> (weakref to param, int64 flat indices into param.grad.view(-1))
+_entries: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def publish(param: torch.Tensor, flat_indices: torch.Tensor) -> None:
+    """Record the flat indices (int64, sorted, unique, on any device) of ``param``'s non-zero gradient.
+
+    Runs in the training process, called by a compression hook (possibly from an autograd thread).
+    """
+    if flat_indices.dtype != torch.int64 or flat_indices.dim() != 1:
+        raise TypeError("flat_indices must be a 1-D int64 tensor")
+    with _lock:
+        _entries[id(param)] = (weakref.ref(param), flat_indices)
+
+
+def take(param: torch.Tensor) -> torch.Tensor | None:
+    """Pop and return the published indices for ``param``, or ``None`` when nothing fresh was published."""
+    with _lock:
+        entry = _entries.pop(id(param), None)
+    if entry is None:
+        return None
+    ref, idx = entry
+    if ref() is not param:  # id reused by another object: the entry is stale
+        return None
+    return idx
+
+
+def clear() -> None:
+    """Drop every published entry (tests, and a capture that detaches)."""
+    with _lock:
+        _entries.clear()
