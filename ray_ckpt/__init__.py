@@ -1,1 +1,19 @@
-"""ray_ckpt: per-iteration, bit-exact differential checkpointing for distributed PyTorch on Ray."""
+"""ray_ckpt: per-iteration, bit-exact differential checkpointing for distributed PyTorch training on Ray.
+
+Public API (everything else is private and may change):
+
+* :class:`Checkpointer` / :func:`restore` — attach to a training loop / recover (training process);
+* :class:`LowDiff` — the strategy (gradient reuse), :class:`CheckpointConfig` — the knobs;
+* :mod:`ray_ckpt.compression` — DDP communication hooks (top-k, int8) whose output LowDiff reuses;
+* errors: :class:`CorruptObjectError`, :class:`NoCheckpointError`, :class:`ManifestError`, :class:`WriterError`.
+"""
+from ray_ckpt.config import CheckpointConfig, LowDiff
+from ray_ckpt.engine.checkpointer import Checkpointer, restore
+from ray_ckpt.engine.writer import WriterError
+from ray_ckpt.format.container import CorruptObjectError
+from ray_ckpt.lineage import ManifestError, NoCheckpointError
+
+__version__ = "0.1.0"
+
+__all__ = ["Checkpointer", "restore", "LowDiff", "CheckpointConfig", "CorruptObjectError", "NoCheckpointError",
+           "ManifestError", "WriterError", "__version__"]

@@ -1,0 +1,25 @@
+"""Gradient compression for DDP: top-k and int8 communication hooks (public names).
+
+See :mod:`ray_ckpt.integrations.compression` for the call order and the determinism contract::
+
+    ddp.register_comm_hook(TopKState(ratio=0.01), topk_hook)
+"""
+from ray_ckpt.integrations.compression import (
+    DEFAULT_SAMPLE_SIZE,
+    Int8State,
+    TopKState,
+    int8_hook,
+    select_topk,
+    topk_count,
+    topk_hook,
+)
+
+__all__ = [
+    "DEFAULT_SAMPLE_SIZE",
+    "Int8State",
+    "TopKState",
+    "int8_hook",
+    "select_topk",
+    "topk_count",
+    "topk_hook",
+]

@@ -1,0 +1,287 @@
+"""Capture on the training thread: what LowDiff needs from each optimizer step, at the cost of a copy.
+
+Call order (all on the training thread, inside the user's loop; nothing to call per step)::
+
+    optimizer.step()  ─► pre-hook   : take the consumed gradient of each parameter (O(k) gather of the support
+                                      a compression hook published, else a host copy of the dense gradient)
+                                      and the param-group hyper-parameters the step will use
+                      ─► post-hook  : RNG states, user extra state, model buffers → a *pending* record
+    scheduler.step()  ─► (wrapper)  : scheduler, GradScaler and param-group values as the loop left them →
+                                      the pending record is finalized and handed to the sink
+    next pre-hook / flush()          : finalize a record that is still pending (no scheduler, or GradScaler)
+
+A full snapshot (a host copy of model + optimizer state) is taken when the policy says so, right after the
+record of that step is finalized. Encoding, sparsifying, checksumming and writing happen in the sink
+(a writer thread or a Ray actor), never here.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from ray_ckpt.engine import support
+from ray_ckpt.format.records import FullState, GradEntry, StepRecord
+from ray_ckpt.policy import FrequencyPolicy, StepContext
+
+ATTACHED_ATTR = "_ray_ckpt_capture"
+RESTORED_STEP_ATTR = "_ray_ckpt_restored_step"
+
+
+class Sink(Protocol):
+    """Receives captured items in step order. ``submit`` may block (backpressure)."""
+
+    def submit(self, item: StepRecord | FullState, *, close_batch: bool = False) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------------------
+class _HostCopier:
+    """Copies tensors to host memory; for CUDA tensors asynchronously into pinned memory, with one event per
+    captured item that the encoder waits on (so the training thread never synchronizes the device)."""
+
+    def __init__(self):
+        self.cuda_used = False
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type == "cpu":
+            return t.clone(memory_format=torch.contiguous_format)
+        self.cuda_used = True
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    def tree(self, x: Any) -> Any:
+        """A host copy of a nested structure (containers copied, tensors copied to host)."""
+        if isinstance(x, torch.Tensor):
+            return self(x)
+        if isinstance(x, dict):
+            return {k: self.tree(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [self.tree(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(self.tree(v) for v in x)
+        if isinstance(x, np.ndarray):
+            return x.copy()
+        return x
+
+    def event(self) -> Any:
+        if not self.cuda_used:
+            return None
+        self.cuda_used = False
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+
+def rng_state() -> dict:
+    """All RNG states a training loop typically draws from (training thread)."""
+    st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                          "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(_as_python_random_state(st["python"]))
+    np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _as_python_random_state(s: Any) -> tuple:
+    # random.getstate() = (version, tuple_of_625_ints, gauss_next)
+    return (s[0], tuple(s[1]), s[2])
+
+
+def group_values(optimizer: torch.optim.Optimizer, copy: Callable[[Any], Any]) -> list[dict]:
+    return [{k: copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def apply_group_values(optimizer: torch.optim.Optimizer, values: list[dict]) -> None:
+    """Set param-group hyper-parameters, copying into existing tensors so their device is kept."""
+    if len(values) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint has {len(values)} param groups, the optimizer has "
+                         f"{len(optimizer.param_groups)}")
+    for g, vals in zip(optimizer.param_groups, values):
+        for k, v in vals.items():
+            cur = g.get(k)
+            if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
+                cur.copy_(v)
+            else:
+                g[k] = v
+
+
+# ------------------------------------------------------------------------------------------------------------
+class LowDiffCapture:
+    """Attaches LowDiff capture to an optimizer (and scheduler). Runs on the training thread."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sink: Sink,
+                 policy: FrequencyPolicy, *, start_step: int, scheduler: Any = None, scaler: Any = None,
+                 extra_state: Any = None, capture_rng: bool = True, capture_buffers: bool = True):
+        if getattr(optimizer, ATTACHED_ATTR, None) is not None:
+            raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
+        for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("extra_state", extra_state)):
+            if obj is not None and not (callable(getattr(obj, "state_dict", None))
+                                        and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"{name} must have state_dict() and load_state_dict() methods, "
+                                f"got {type(obj).__name__}")
+        self.model, self.optimizer, self.sink, self.policy = model, optimizer, sink, policy
+        self.scheduler, self.scaler, self.extra_state = scheduler, scaler, extra_state
+        self.capture_rng, self.capture_buffers = capture_rng, capture_buffers
+        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        for p in self.params:
+            if p.is_sparse:
+                raise NotImplementedError("sparse parameters are not supported")
+        self.step = start_step
+        self.last_full_step = start_step
+        self.steps_in_batch = 0
+        self._copy = _HostCopier()
+        self._consumed: tuple[list, list] | None = None   # grads + hparams taken in the pre-hook
+        self._pending: StepRecord | None = None
+        self._lock = threading.RLock()
+        self.capture_seconds = 0.0        # time spent in the hooks, for stats
+        self._handles = [optimizer.register_step_pre_hook(self._pre_hook),
+                         optimizer.register_step_post_hook(self._post_hook)]
+        self._orig_sched_step = None
+        if scheduler is not None:
+            self._orig_sched_step = scheduler.step
+            capture = self
+
+            def step(*args, **kwargs):
+                out = capture._orig_sched_step(*args, **kwargs)
+                capture._finalize()
+                return out
+
+            scheduler.step = step
+        setattr(optimizer, ATTACHED_ATTR, self)
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def _pre_hook(self, optimizer, args, kwargs):
+        t0 = time.perf_counter()
+        with self._lock:
+            self._finalize()
+            grads: list[GradEntry | None] = []
+            for p in self.params:
+                g = p.grad
+                if g is None:
+                    grads.append(None)
+                    continue
+                if g.is_sparse:
+                    raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported")
+                idx = support.take(p)
+                if idx is not None:
+                    vals = g.reshape(-1).index_select(0, idx)
+                    small = idx.to(torch.int32) if p.numel() < 2**31 else idx
+                    grads.append(GradEntry(tuple(p.shape), self._copy(vals), self._copy(small)))
+                else:
+                    grads.append(GradEntry(tuple(p.shape), self._copy(g)))
+            self._consumed = (grads, group_values(optimizer, self._copy.tree))
+        self.capture_seconds += time.perf_counter() - t0
+
+    def _post_hook(self, optimizer, args, kwargs):
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._consumed is None:  # step() called without our pre-hook (should not happen)
+                raise RuntimeError("ray_ckpt: optimizer post-step hook ran without its pre-step hook")
+            grads, hparams = self._consumed
+            self._consumed = None
+            self.step += 1
+            loop = {}
+            if self.capture_rng:
+                loop["rng"] = rng_state()
+            if self.extra_state is not None:
+                loop["extra"] = self._copy.tree(self.extra_state.state_dict())
+            buffers = {}
+            if self.capture_buffers:
+                buffers = {n: self._copy(b) for n, b in _persistent_buffers(self.model)}
+            self._pending = StepRecord(step=self.step, grads=grads, hparams=hparams, loop=loop, buffers=buffers)
+            if self.scheduler is None and self.scaler is None:
+                self._finalize()
+        self.capture_seconds += time.perf_counter() - t0
+
+    # -- finalization -----------------------------------------------------------------------------------------
+    def _loop_tail(self) -> dict:
+        """The part of the loop state read at finalization: as the loop left it after scheduler/scaler."""
+        tail: dict[str, Any] = {"groups": group_values(self.optimizer, self._copy.tree)}
+        if self.scheduler is not None:
+            sd = self.scheduler.state_dict()
+            if callable(sd.get("step")):  # our wrapper lives in the instance __dict__ that state_dict copies
+                sd = {k: v for k, v in sd.items() if k != "step"}
+            tail["scheduler"] = self._copy.tree(sd)
+        if self.scaler is not None:
+            tail["scaler"] = self._copy.tree(self.scaler.state_dict())
+        return tail
+
+    def _finalize(self) -> None:
+        with self._lock:
+            rec = self._pending
+            if rec is None:
+                return
+            self._pending = None
+            rec.loop.update(self._loop_tail())
+            self.steps_in_batch += 1
+            decision = self.policy.decide(StepContext(step=rec.step, last_full_step=self.last_full_step,
+                                                      steps_in_batch=self.steps_in_batch))
+            full = None
+            if decision.full:
+                full = self._snapshot(rec.step, dict(rec.loop))
+            rec.ready = self._copy.event()
+            self.sink.submit(rec, close_batch=decision.close_batch)
+            if decision.close_batch:
+                self.steps_in_batch = 0
+            if full is not None:
+                full.ready = self._copy.event() or rec.ready
+                self.last_full_step = rec.step
+                self.sink.submit(full)
+
+    def _snapshot(self, step: int, loop: dict) -> FullState:
+        model_sd = {k: self._copy(v) for k, v in self.model.state_dict().items()}
+        opt_sd = self._copy.tree(self.optimizer.state_dict())
+        return FullState(step=step, model=model_sd, optimizer=opt_sd, loop=loop)
+
+    def snapshot_now(self) -> FullState:
+        """A full snapshot of the current state (attach time). Training thread."""
+        with self._lock:
+            loop: dict[str, Any] = {}
+            if self.capture_rng:
+                loop["rng"] = rng_state()
+            if self.extra_state is not None:
+                loop["extra"] = self._copy.tree(self.extra_state.state_dict())
+            loop.update(self._loop_tail())
+            full = self._snapshot(self.step, loop)
+            full.ready = self._copy.event()
+            return full
+
+    def flush_pending(self) -> None:
+        """Finalize a pending record now (flush/close). Training thread."""
+        self._finalize()
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._orig_sched_step is not None:
+            try:
+                del self.scheduler.step  # drop the instance attribute, the class method shows again
+            except AttributeError:
+                pass
+            self._orig_sched_step = None
+        if getattr(self.optimizer, ATTACHED_ATTR, None) is self:
+            delattr(self.optimizer, ATTACHED_ATTR)
+
+
+def _persistent_buffers(model: torch.nn.Module):
+    non_persistent = set()
+    for mname, mod in model.named_modules():
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            non_persistent.add(f"{mname}.{b}" if mname else b)
+    for n, b in model.named_buffers():
+        if n not in non_persistent:
+            yield n, b

@@ -1,0 +1,147 @@
+"""The single-process engine: ``Checkpointer`` (capture → async writer → storage) and ``restore``.
+
+Everything here runs in the training process; no Ray. The Ray runtime reuses the capture and the format and
+replaces the writer with persistence actors.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ray_ckpt.config import CheckpointConfig, LowDiff
+from ray_ckpt.engine.capture import RESTORED_STEP_ATTR, LowDiffCapture
+from ray_ckpt.engine.restore import apply_chain, load_lineage, resolve_and_load
+from ray_ckpt.engine.writer import AsyncWriter
+from ray_ckpt.policy import FixedFrequencyPolicy
+from ray_ckpt.storage import open_storage
+
+log = logging.getLogger("ray_ckpt")
+
+
+class Checkpointer:
+    """Checkpoint every optimizer step of a training loop to ``uri``; attach once, then train as usual.
+
+    Runs in the training process. Construction takes the first full checkpoint (step ``start_step``, by default
+    the step a preceding :func:`restore` returned, else 0) and installs hooks on ``optimizer`` (and wraps
+    ``scheduler.step``); from then on each ``optimizer.step()`` is captured (a copy at most) and written by a
+    background thread in batches of ``batch_steps`` steps, with a full checkpoint every ``full_every`` steps.
+
+    ``extra_state``, ``scheduler`` and ``scaler`` are objects with ``state_dict()``/``load_state_dict()``; the
+    same objects are given to :func:`restore`. Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, uri: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 scheduler: Any = None, strategy: LowDiff | None = None, full_every: int | None = None,
+                 batch_steps: int | None = None, extra_state: Any = None, scaler: Any = None,
+                 storage_options: dict | None = None, start_step: int | None = None,
+                 max_pending_bytes: int | None = None, capture_rng: bool | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        strategy = strategy if strategy is not None else LowDiff()
+        if not isinstance(strategy, LowDiff):
+            raise TypeError(f"strategy must be ray_ckpt.LowDiff(...), got {type(strategy).__name__}")
+        self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
+                                               max_pending_bytes=max_pending_bytes, capture_rng=capture_rng)
+        self.strategy = strategy
+        self.uri = uri
+        self.storage = open_storage(uri, **(storage_options or {}))
+        if start_step is None:
+            start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        lineage, _ = load_lineage(self.storage, strict=False)
+        self.generation = lineage.next_generation()
+        info = {"num_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
+                "optimizer": type(optimizer).__name__, "start_step": start_step}
+        self._writer = AsyncWriter(self.storage, self.generation,
+                                   max_pending_bytes=self.config.max_pending_bytes,
+                                   write_retries=self.config.write_retries, strategy=strategy.name,
+                                   max_sparse_density=strategy.max_sparse_density, info=info)
+        policy = FixedFrequencyPolicy(self.config.full_every, self.config.batch_steps)
+        self._capture = LowDiffCapture(model, optimizer, self._writer, policy, start_step=start_step,
+                                       scheduler=scheduler, scaler=scaler, extra_state=extra_state,
+                                       capture_rng=self.config.capture_rng,
+                                       capture_buffers=strategy.capture_buffers)
+        self._closed = False
+        try:
+            self._writer.submit(self._capture.snapshot_now())
+        except BaseException:
+            self._capture.detach()
+            self._writer.close()
+            raise
+        log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.storage.describe(),
+                 self.generation, start_step)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (since 0 of the run, counting a restored prefix)."""
+        return self._capture.step
+
+    @property
+    def last_committed_step(self) -> int | None:
+        """The highest step whose diff or full object is committed (durable)."""
+        return self._writer.stats.last_committed_step
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Make every step captured so far durable. Training thread; blocks."""
+        self._capture.flush_pending()
+        self._writer.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, detach the hooks and stop the writer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._capture.flush_pending()
+            self._writer.close(timeout)
+        finally:
+            self._capture.detach()
+
+    def stats(self) -> dict:
+        """Counters for logs and benchmarks: bytes written, stalls, capture time."""
+        s = self._writer.stats
+        return {"step": self.step, "generation": self.generation, "last_committed_step": s.last_committed_step,
+                "objects_written": s.objects_written, "bytes_written": s.bytes_written,
+                "diff_bytes": s.diff_bytes, "full_bytes": s.full_bytes, "stall_seconds": s.stall_seconds,
+                "write_seconds": s.write_seconds, "encode_seconds": s.encode_seconds,
+                "capture_seconds": self._capture.capture_seconds, "pending_bytes": self._writer.pending_bytes}
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # best effort: never leave hooks on a live optimizer
+        try:
+            if not self._closed:
+                self._capture.detach()
+                self._writer.close(timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def restore(uri: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+            step: int | None = None, extra_state: Any = None, scaler: Any = None,
+            storage_options: dict | None = None, fallback: bool = False, restore_rng: bool = True) -> int:
+    """Restore ``model``, ``optimizer`` (and scheduler, scaler, extra state, RNG) to ``step`` (None = latest
+    committed) from ``uri``; returns the restored step. Runs in the calling (training) process.
+
+    The result is what the training loop had right before its ``(step+1)``-th ``optimizer.step()``.
+    With ``fallback=True`` a corrupt object or malformed manifest is logged and skipped, and the latest good
+    step at or before the request is restored instead of raising.
+    """
+    t0 = time.perf_counter()
+    storage = open_storage(uri, **(storage_options or {}))
+    chain = resolve_and_load(storage, step, fallback=fallback)
+    out = apply_chain(chain, model, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
+                      restore_rng=restore_rng)
+    log.info("ray_ckpt: restored step %d (full %d + %d diffs) from %s in %.3f s", out, chain.full.step,
+             len(chain.records), storage.describe(), time.perf_counter() - t0)
+    return out

@@ -1,0 +1,179 @@
+"""Recovery: resolve a plan from the committed lineage, read and verify every object, then replay.
+
+Runs in the process that owns the model and optimizer (the training worker, or a CLI/test process).
+Everything is read and verified (size, checksum, structure) before the first tensor of the live objects is
+touched, so a corrupt checkpoint never leaves a half-restored model behind.
+"""
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ray_ckpt.engine.capture import ATTACHED_ATTR, RESTORED_STEP_ATTR, apply_group_values, set_rng_state
+from ray_ckpt.format import records as rec_fmt
+from ray_ckpt.format.container import CorruptObjectError
+from ray_ckpt.format.records import FullState, StepRecord
+from ray_ckpt.lineage import MANIFESTS_DIR, Lineage, Manifest, ManifestError, NoCheckpointError, Plan
+
+log = logging.getLogger("ray_ckpt")
+
+
+@dataclass
+class LoadedChain:
+    """A verified plan's contents: the full state and the step records to replay, in order."""
+
+    plan: Plan
+    full: FullState
+    records: list[StepRecord]
+
+    @property
+    def step(self) -> int:
+        return self.plan.step
+
+
+def load_lineage(storage, *, strict: bool = True) -> tuple[Lineage, list[str]]:
+    """Read every committed manifest. Malformed ones raise :class:`ManifestError` when ``strict``; otherwise
+    they are skipped and their keys returned as the second element."""
+    manifests, bad = [], []
+    for key in storage.list(MANIFESTS_DIR):
+        if not key.endswith(".json"):
+            continue
+        try:
+            manifests.append(Manifest.from_json(storage.read(key), key))
+        except ManifestError:
+            if strict:
+                raise
+            bad.append(key)
+    return Lineage(manifests), bad
+
+
+def read_object(storage, m: Manifest, reader: Callable[[Manifest], Any] | None = None) -> Any:
+    """The bytes of ``m``'s object, verified against the manifest's size and checksum."""
+    data = reader(m) if reader is not None else storage.read(m.object)
+    n = memoryview(data).nbytes
+    if n != m.nbytes:
+        raise CorruptObjectError(m.object, f"size {n} bytes, manifest says {m.nbytes} (truncated or replaced)")
+    if zlib.crc32(data) != m.crc32:
+        raise CorruptObjectError(m.object, "checksum mismatch with its manifest")
+    return data
+
+
+def load_chain(storage, plan: Plan, reader: Callable[[Manifest], Any] | None = None) -> LoadedChain:
+    """Read, verify and decode every object of ``plan``; keep only the records the replay needs."""
+    full = rec_fmt.decode_full(read_object(storage, plan.full, reader), plan.full.object)
+    if full.step != plan.full.last_step:
+        raise CorruptObjectError(plan.full.object, f"holds step {full.step}, manifest says {plan.full.last_step}")
+    records: list[StepRecord] = []
+    for m in plan.diffs:
+        batch = rec_fmt.decode_steps(read_object(storage, m, reader), m.object)
+        steps = [r.step for r in batch]
+        if steps != list(range(m.first_step, m.last_step + 1)):
+            raise CorruptObjectError(m.object, f"holds steps {steps[:3]}..., manifest says "
+                                               f"{m.first_step}..{m.last_step}")
+        records.extend(r for r in batch if full.step < r.step <= plan.step)
+    expected = list(range(full.step + 1, plan.step + 1))
+    if [r.step for r in records] != expected:
+        raise NoCheckpointError(f"diffs for steps {full.step + 1}..{plan.step} are incomplete")
+    return LoadedChain(plan, full, records)
+
+
+def resolve_and_load(storage, step: int | None, *, fallback: bool,
+                     reader: Callable[[Manifest], Any] | None = None,
+                     lineage: Lineage | None = None) -> LoadedChain:
+    """Resolve ``step`` (None = latest) and load it; with ``fallback``, skip corrupt objects (and malformed
+    manifests) and take the latest good step at or before the request, logging what was skipped."""
+    bad_manifests: list[str] = []
+    if lineage is None:
+        lineage, bad_manifests = load_lineage(storage, strict=not fallback)
+    for key in bad_manifests:
+        log.warning("ray_ckpt: ignoring malformed manifest %s", key)
+    excluded: set[str] = set()
+    while True:
+        lin = Lineage(lineage.manifests, exclude=excluded)
+        if step is None or not fallback:
+            plan = lin.resolve(step)
+        else:
+            plan = _resolve_at_most(lin, step)
+        try:
+            return load_chain(storage, plan, reader)
+        except CorruptObjectError as e:
+            if not fallback:
+                raise
+            bad = next(m for m in plan.objects if m.object == e.object_name)
+            log.warning("ray_ckpt: %s; falling back to an earlier step", e)
+            excluded.add(bad.name)
+
+
+def _resolve_at_most(lin: Lineage, step: int) -> Plan:
+    try:
+        return lin.resolve(step)
+    except NoCheckpointError:
+        pass
+    for gen in sorted(lin.generations, reverse=True):
+        steps = [s for s in lin.reachable_steps(gen) if s <= step]
+        if steps:
+            return lin.resolve(steps[-1])
+    raise NoCheckpointError(f"no recoverable step at or before {step}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+def apply_chain(chain: LoadedChain, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                scheduler: Any = None, scaler: Any = None, extra_state: Any = None,
+                restore_rng: bool = True) -> int:
+    """Load the full state into ``model``/``optimizer`` and replay the records. Returns the restored step."""
+    if getattr(optimizer, ATTACHED_ATTR, None) is not None:
+        raise RuntimeError("restore into an optimizer that has a Checkpointer attached would checkpoint the "
+                           "replayed steps again: restore first, then attach")
+    full = chain.full
+    model.load_state_dict(full.model)
+    optimizer.load_state_dict(full.optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for rec in chain.records:
+        if len(rec.grads) != len(params):
+            raise ValueError(f"step {rec.step} recorded {len(rec.grads)} parameters, the optimizer has "
+                             f"{len(params)}: restore into the same model and optimizer layout")
+        apply_group_values(optimizer, rec.hparams)
+        for p, g in zip(params, rec.grads):
+            if g is None:
+                p.grad = None
+                continue
+            if tuple(p.shape) != g.shape:
+                raise ValueError(f"step {rec.step}: gradient of shape {g.shape} for a parameter of shape "
+                                 f"{tuple(p.shape)}")
+            p.grad = g.to_dense(p.device)
+        optimizer.step()
+    for p in params:
+        p.grad = None
+    loop = chain.records[-1].loop if chain.records else full.loop
+    if chain.records and chain.records[-1].buffers:
+        _load_buffers(model, chain.records[-1].buffers)
+    if "groups" in loop:
+        apply_group_values(optimizer, loop["groups"])
+    if scheduler is not None:
+        if "scheduler" not in loop:
+            raise ValueError("the checkpoint has no scheduler state (it was taken without a scheduler)")
+        scheduler.load_state_dict(loop["scheduler"])
+    if scaler is not None:
+        if "scaler" not in loop:
+            raise ValueError("the checkpoint has no GradScaler state (it was taken without one)")
+        scaler.load_state_dict(loop["scaler"])
+    if extra_state is not None:
+        if "extra" not in loop:
+            raise ValueError("the checkpoint has no extra state (it was taken without extra_state)")
+        extra_state.load_state_dict(loop["extra"])
+    if restore_rng and "rng" in loop:
+        set_rng_state(loop["rng"])
+    setattr(optimizer, RESTORED_STEP_ATTR, chain.step)
+    return chain.step
+
+
+def _load_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    named = dict(model.named_buffers())
+    for name, value in buffers.items():
+        if name not in named:
+            raise ValueError(f"checkpoint has buffer {name!r} that the model does not have")
+        named[name].copy_(value)

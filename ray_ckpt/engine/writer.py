@@ -1,0 +1,232 @@
+"""The asynchronous writer: batches step records, encodes, writes, then commits with a manifest.
+
+One daemon thread per Checkpointer. Call order::
+
+    submit(item)   training thread; blocks while captured-but-not-durable bytes exceed the budget
+    flush()        training thread; returns when everything submitted so far is committed (or raises the
+                   writer's error)
+    close()        training thread; flush, then stop the thread
+
+Memory is bounded by ``max_pending_bytes`` (backpressure, no unbounded queue): when the training thread has
+to wait, the writer writes the partial batch at once instead of waiting for it to fill. A write that fails
+``write_retries`` times stops the writer; the error is raised on the training thread at the next
+``submit``/``flush``. Commit protocol per object: data object written (atomically) → manifest written
+(atomically) last. A reader never sees an object without its manifest.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ray_ckpt.format import records as rec_fmt
+from ray_ckpt.format.records import FullState, StepRecord
+from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
+
+log = logging.getLogger("ray_ckpt")
+
+
+class WriterError(RuntimeError):
+    """The background writer failed; what was captured after the last commit is not durable."""
+
+
+@dataclass
+class WriterStats:
+    objects_written: int = 0
+    bytes_written: int = 0
+    diff_bytes: int = 0
+    full_bytes: int = 0
+    steps_committed: int = 0
+    last_committed_step: int | None = None
+    stall_seconds: float = 0.0          #: time the training thread waited for memory (backpressure)
+    write_seconds: float = 0.0
+    encode_seconds: float = 0.0
+    commits: list = field(default_factory=list)   #: manifests committed, in order (names only)
+
+
+@dataclass
+class _Flush:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class AsyncWriter:
+    def __init__(self, storage, generation: int, *, max_pending_bytes: int, write_retries: int = 3,
+                 strategy: str = "lowdiff", max_sparse_density: float = 0.5, info: dict | None = None,
+                 on_commit: Callable[[Manifest], None] | None = None):
+        self.storage = storage
+        self.generation = generation
+        self.max_pending_bytes = max_pending_bytes
+        self.write_retries = write_retries
+        self.strategy = strategy
+        self.max_sparse_density = max_sparse_density
+        self.info = dict(info or {})
+        self.on_commit = on_commit
+        self.stats = WriterStats()
+        self._cv = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._pending_bytes = 0
+        self._pressure = False
+        self._error: BaseException | None = None
+        self._closing = False
+        self._batch: list[StepRecord] = []
+        self._thread = threading.Thread(target=self._run, name=f"ray_ckpt-writer-g{generation}", daemon=True)
+        self._thread.start()
+
+    # -- training thread -------------------------------------------------------------------------------------
+    def submit(self, item: StepRecord | FullState, *, close_batch: bool = False) -> None:
+        size = item.nbytes
+        with self._cv:
+            self._raise_if_failed()
+            if self._pending_bytes and self._pending_bytes + size > self.max_pending_bytes:
+                t0 = time.perf_counter()
+                self._pressure = True
+                self._cv.notify_all()
+                while (self._pending_bytes and self._pending_bytes + size > self.max_pending_bytes
+                       and self._error is None):
+                    self._cv.wait(0.5)
+                self._pressure = False
+                self.stats.stall_seconds += time.perf_counter() - t0
+                self._raise_if_failed()
+            self._pending_bytes += size
+            self._queue.append((item, size, close_batch))
+            self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> None:
+        marker = _Flush()
+        with self._cv:
+            self._raise_if_failed()
+            self._queue.append((marker, 0, True))
+            self._cv.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not marker.done.wait(0.2):
+            with self._cv:
+                self._raise_if_failed()
+                if not self._thread.is_alive():
+                    raise WriterError("the writer thread is gone")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"flush did not finish within {timeout} s")
+        with self._cv:
+            self._raise_if_failed()
+
+    def close(self, timeout: float | None = None) -> None:
+        try:
+            if self._thread.is_alive():
+                self.flush(timeout)
+        finally:
+            with self._cv:
+                self._closing = True
+                self._cv.notify_all()
+            self._thread.join(timeout=5)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise WriterError(f"checkpoint writer failed: {self._error}") from self._error
+
+    # -- writer thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing and not (self._pressure and self._batch):
+                    self._cv.wait()
+                if self._closing and not self._queue:
+                    return
+                entry = self._queue.popleft() if self._queue else None
+            try:
+                if entry is None:          # pressure with nothing queued: write the partial batch now
+                    self._write_batch()
+                    continue
+                item, size, close_batch = entry
+                if isinstance(item, _Flush):
+                    self._write_batch()
+                    item.done.set()
+                elif isinstance(item, StepRecord):
+                    self._batch.append((item, size))
+                    if close_batch or self._pressure:
+                        self._write_batch()
+                elif isinstance(item, FullState):
+                    self._write_batch()
+                    self._write_full(item)
+                    self._release(size)
+            except BaseException as e:  # noqa: BLE001 - reported to the training thread
+                log.error("ray_ckpt writer failed: %s", e)
+                with self._cv:
+                    self._error = e
+                    self._cv.notify_all()
+                    # unblock every waiter; later submits raise
+                    for it, _, _ in self._queue:
+                        if isinstance(it, _Flush):
+                            it.done.set()
+                    self._queue.clear()
+                if isinstance(entry, tuple) and isinstance(entry[0], _Flush):
+                    entry[0].done.set()
+                return
+
+    def _release(self, size: int) -> None:
+        with self._cv:
+            self._pending_bytes -= size
+            self._cv.notify_all()
+
+    def _write_batch(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        recs = [r for r, _ in batch]
+        t0 = time.perf_counter()
+        bufs = rec_fmt.encode_steps(recs, max_density=self.max_sparse_density)
+        self.stats.encode_seconds += time.perf_counter() - t0
+        name = diff_name(self.generation, recs[0].step, recs[-1].step)
+        self._commit("diff", name, recs[0].step, recs[-1].step, bufs)
+        self.stats.steps_committed += len(recs)
+        self._release(sum(s for _, s in batch))
+
+    def _write_full(self, state: FullState) -> None:
+        t0 = time.perf_counter()
+        bufs = rec_fmt.encode_full(state)
+        self.stats.encode_seconds += time.perf_counter() - t0
+        self._commit("full", full_name(self.generation, state.step), state.step, state.step, bufs)
+
+    def _commit(self, kind: str, name: str, first: int, last: int, bufs: list) -> None:
+        crc = 0
+        nbytes = 0
+        for b in bufs:
+            crc = zlib.crc32(b, crc)
+            nbytes += memoryview(b).nbytes
+        okey = object_key(name)
+        manifest = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
+                            object=okey, nbytes=nbytes, crc32=crc, strategy=self.strategy, info=self.info)
+        t0 = time.perf_counter()
+        self._retry(lambda: self.storage.write(okey, bufs), okey)
+        self._retry(lambda: self.storage.write(manifest.key, manifest.to_json()), manifest.key)
+        self.stats.write_seconds += time.perf_counter() - t0
+        self.stats.objects_written += 1
+        self.stats.bytes_written += nbytes
+        if kind == "diff":
+            self.stats.diff_bytes += nbytes
+        else:
+            self.stats.full_bytes += nbytes
+        prev = self.stats.last_committed_step
+        self.stats.last_committed_step = last if prev is None else max(prev, last)
+        self.stats.commits.append(name)
+        if self.on_commit is not None:
+            self.on_commit(manifest)
+
+    def _retry(self, fn, what: str) -> None:
+        delay = 0.05
+        for attempt in range(1, self.write_retries + 1):
+            try:
+                fn()
+                return
+            except Exception as e:  # noqa: BLE001
+                if attempt == self.write_retries:
+                    raise WriterError(f"writing {what!r} failed after {attempt} attempts: {e}") from e
+                log.warning("ray_ckpt: writing %s failed (attempt %d): %s; retrying", what, attempt, e)
+                time.sleep(delay)
+                delay *= 4

@@ -1,0 +1,228 @@
+"""The on-storage container: a JSON header plus raw tensor bytes, checksummed, never pickled.
+
+Layout of one object (all integers little-endian)::
+
+    magic        8 bytes   b"RCKPT\\x00\\x01\\x00"
+    header_len   u64       length of the JSON header in bytes
+    header_crc   u32       zlib.crc32 of the header bytes
+    header       JSON      {"meta": <any JSON>, "tensors": [{name, dtype, shape, offset, nbytes, codec}],
+                            "data_len": int, "data_crc": u32 of the data section}
+    padding      to a multiple of 64 bytes
+    data         the tensors' bytes, each starting at a multiple of 64 bytes of the data section
+
+Reading validates everything before any byte is interpreted: magic, header size against the object size, header
+checksum, JSON structure, every dtype against an allow-list, shapes, offsets and sizes against the data section,
+and the data checksum. Any failure raises :class:`CorruptObjectError` naming the object. Decoding returns numpy
+views into the object's bytes (no copy); :func:`to_torch` turns them into tensors.
+
+Pure layer: numpy and torch only; runs in any process.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+MAGIC = b"RCKPT\x00\x01\x00"
+ALIGN = 64
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+MAX_TENSORS = 1_000_000
+MAX_NDIM = 16
+_PREFIX = struct.Struct("<8sQI")
+
+# dtype name <-> (torch dtype, numpy dtype used to carry the raw bytes)
+_DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
+    "float64": (torch.float64, np.dtype("<f8")),
+    "float32": (torch.float32, np.dtype("<f4")),
+    "float16": (torch.float16, np.dtype("<f2")),
+    "bfloat16": (torch.bfloat16, np.dtype("<i2")),  # numpy has no bfloat16: carried as its raw 16 bits
+    "int64": (torch.int64, np.dtype("<i8")),
+    "int32": (torch.int32, np.dtype("<i4")),
+    "int16": (torch.int16, np.dtype("<i2")),
+    "int8": (torch.int8, np.dtype("i1")),
+    "uint8": (torch.uint8, np.dtype("u1")),
+    "bool": (torch.bool, np.dtype("?")),
+}
+_TORCH_TO_NAME = {t: n for n, (t, _) in _DTYPES.items()}
+
+
+class CorruptObjectError(ValueError):
+    """An object failed validation (bad magic, checksum mismatch, truncated, hostile header). Names the object."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"corrupt checkpoint object {name!r}: {reason}")
+        self.object_name = name
+        self.reason = reason
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The container's name for a torch dtype; raises TypeError for an unsupported one."""
+    try:
+        return _TORCH_TO_NAME[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} is not supported by the checkpoint format") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name][0]
+
+
+def as_numpy_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as a numpy array of its raw bytes (no copy)."""
+    if t.device.type != "cpu":
+        raise ValueError("encode CPU tensors only; copy device tensors to host first")
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.numpy().reshape(-1).view(np.uint8)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray]) -> list[memoryview | bytes]:
+    """Encode ``meta`` (JSON-able) and named CPU tensors into the container's buffers, in write order.
+
+    Returns a list of buffers (header first, then each tensor's bytes and padding) so the storage layer can
+    write them without joining them into one copy. Runs off the training thread (writer thread or actor).
+    """
+    entries = []
+    payloads: list[np.ndarray] = []
+    offset = 0
+    crc = 0
+    for name, t in tensors.items():
+        if isinstance(t, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(t))
+        raw = as_numpy_bytes(t)
+        entries.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                        "offset": offset, "nbytes": int(raw.nbytes)})
+        pad = (-raw.nbytes) % ALIGN
+        payloads.append(raw)
+        crc = zlib.crc32(raw, crc)
+        if pad:
+            zeros = bytes(pad)
+            payloads.append(np.frombuffer(zeros, dtype=np.uint8))
+            crc = zlib.crc32(zeros, crc)
+        offset += raw.nbytes + pad
+    header = json.dumps({"meta": meta, "tensors": entries, "data_len": offset, "data_crc": crc},
+                        separators=(",", ":"), allow_nan=True).encode()
+    prefix = _PREFIX.pack(MAGIC, len(header), zlib.crc32(header))
+    head_pad = (-(len(prefix) + len(header))) % ALIGN
+    out: list[memoryview | bytes] = [prefix + header + bytes(head_pad)]
+    out.extend(memoryview(p) for p in payloads)
+    return out
+
+
+def encode_bytes(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray]) -> bytes:
+    """Like :func:`encode`, joined into one ``bytes`` (tests, small objects)."""
+    return b"".join(bytes(b) for b in encode(meta, tensors))
+
+
+def _fail(name: str, reason: str) -> CorruptObjectError:
+    return CorruptObjectError(name, reason)
+
+
+def decode(data: bytes | bytearray | memoryview, name: str = "<object>", *,
+           verify: bool = True) -> tuple[Any, dict[str, np.ndarray], dict[str, TensorEntry]]:
+    """Validate and decode an object. Returns ``(meta, arrays, entries)``; arrays are zero-copy numpy views.
+
+    ``name`` is used in error messages. Raises :class:`CorruptObjectError` on anything unexpected; never
+    executes code from the object and never allocates more than the object's own size.
+    """
+    buf = memoryview(data).cast("B")
+    total = buf.nbytes
+    if total < _PREFIX.size:
+        raise _fail(name, f"truncated: {total} bytes is shorter than the {_PREFIX.size}-byte prefix")
+    magic, header_len, header_crc = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise _fail(name, "bad magic (not a ray_ckpt object; refusing to interpret it)")
+    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > total:
+        raise _fail(name, f"header length {header_len} exceeds the object size {total} or the limit")
+    hstart = _PREFIX.size
+    header_bytes = bytes(buf[hstart:hstart + header_len])
+    if zlib.crc32(header_bytes) != header_crc:
+        raise _fail(name, "header checksum mismatch")
+    try:
+        header = json.loads(header_bytes)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _fail(name, f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
+        raise _fail(name, "header has no tensor table")
+    data_start = hstart + header_len
+    data_start += (-data_start) % ALIGN
+    data_len = header.get("data_len")
+    if not isinstance(data_len, int) or data_len < 0 or data_start + data_len != total:
+        raise _fail(name, f"truncated or oversized: data section should be {data_len} bytes, "
+                          f"object has {total - data_start}")
+    data_sec = buf[data_start:data_start + data_len]
+    if verify and zlib.crc32(data_sec) != header.get("data_crc"):
+        raise _fail(name, "data checksum mismatch")
+    table = header["tensors"]
+    if len(table) > MAX_TENSORS:
+        raise _fail(name, "too many tensors")
+    arrays: dict[str, np.ndarray] = {}
+    entries: dict[str, TensorEntry] = {}
+    for e in table:
+        try:
+            tname, dname, shape = e["name"], e["dtype"], e["shape"]
+            offset, nbytes = e["offset"], e["nbytes"]
+        except (KeyError, TypeError):
+            raise _fail(name, f"malformed tensor entry {e!r:.200}") from None
+        if not isinstance(tname, str) or tname in arrays:
+            raise _fail(name, f"bad or duplicate tensor name {tname!r:.100}")
+        if dname not in _DTYPES:
+            raise _fail(name, f"tensor {tname!r}: dtype {dname!r:.50} is not allowed")
+        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in shape)):
+            raise _fail(name, f"tensor {tname!r}: bad shape {shape!r:.100}")
+        npdt = _DTYPES[dname][1]
+        count = math.prod(shape)
+        if (not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0 or nbytes < 0
+                or count * npdt.itemsize != nbytes or offset + nbytes > data_len):
+            raise _fail(name, f"tensor {tname!r}: size/offset out of bounds")
+        arr = np.frombuffer(data_sec, dtype=npdt, count=count, offset=offset) if count else np.empty(0, npdt)
+        arrays[tname] = arr.reshape(shape)
+        entries[tname] = TensorEntry(tname, dname, tuple(shape), offset, nbytes)
+    return header.get("meta"), arrays, entries
+
+
+def to_torch(arr: np.ndarray, dtype_name_: str, *, copy: bool = True) -> torch.Tensor:
+    """A decoded array as a torch tensor of its recorded dtype (copied by default: object bytes may be read-only)."""
+    tdt = _DTYPES[dtype_name_][0]
+    if copy or not arr.flags.writeable:
+        arr = arr.copy()
+    if arr.ndim == 0 or arr.size == 0:
+        t = torch.from_numpy(arr.reshape(-1))
+    else:
+        t = torch.from_numpy(arr)
+    if tdt == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t.reshape(arr.shape)
+
+
+def decode_tensors(data: bytes | bytearray | memoryview, name: str = "<object>") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Decode and return ``(meta, {name: torch.Tensor})`` with tensors copied out of the buffer."""
+    meta, arrays, entries = decode(data, name)
+    return meta, {k: to_torch(a, entries[k].dtype) for k, a in arrays.items()}
+
+
+def iter_sizes(buffers: Iterable[memoryview | bytes]) -> int:
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
+__all__: Sequence[str] = ["CorruptObjectError", "encode", "encode_bytes", "decode", "decode_tensors",
+                          "to_torch", "dtype_name", "torch_dtype", "MAGIC"]

@@ -1,0 +1,138 @@
+"""Chain resolution: which full checkpoint and which diff objects reproduce a requested step.
+
+Rules (pure functions of the committed manifests):
+
+* Generation ``g`` holds the steps its objects cover; it starts at its earliest full checkpoint.
+* A newer generation supersedes older ones from its start on (the newer generation resumed or branched at
+  that step), so an older generation is only valid for steps ``<=`` the start of every newer one.
+* Step ``s`` of generation ``g`` is reachable when a full ``f <= s`` of ``g`` exists and ``g``'s diff objects
+  cover ``f+1 .. s`` without a gap. The plan picks the latest such full (shortest replay).
+* ``resolve(None)`` is the newest generation's highest reachable step, falling back to older generations
+  only when the newer ones have nothing reachable (e.g. every object of theirs is excluded as corrupt).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from ray_ckpt.lineage.manifest import Manifest
+
+
+class NoCheckpointError(LookupError):
+    """No committed state satisfies the request."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to read to reproduce ``step``: one full, then diffs whose records ``full.last_step+1 .. step`` replay."""
+
+    step: int
+    generation: int
+    full: Manifest
+    diffs: tuple[Manifest, ...]
+
+    @property
+    def objects(self) -> tuple[Manifest, ...]:
+        return (self.full, *self.diffs)
+
+
+class Lineage:
+    """An immutable view over committed manifests. Built from a listing; cheap to rebuild."""
+
+    def __init__(self, manifests: Iterable[Manifest], exclude: Iterable[str] = ()):
+        excl = set(exclude)
+        self.manifests: list[Manifest] = sorted(
+            (m for m in manifests if m.name not in excl),
+            key=lambda m: (m.generation, m.first_step, m.last_step, m.kind))
+        self._gens: dict[int, list[Manifest]] = {}
+        for m in self.manifests:
+            self._gens.setdefault(m.generation, []).append(m)
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def generations(self) -> list[int]:
+        return sorted(self._gens)
+
+    def next_generation(self) -> int:
+        return (max(self._gens) + 1) if self._gens else 1
+
+    def start_of(self, gen: int) -> int | None:
+        fulls = [m.last_step for m in self._gens.get(gen, []) if m.kind == "full"]
+        return min(fulls) if fulls else None
+
+    def _cap(self, gen: int) -> int | None:
+        """Highest step of ``gen`` still on the current timeline (None: unbounded)."""
+        starts = [s for g in self._gens if g > gen for s in [self.start_of(g)] if s is not None]
+        return min(starts) if starts else None
+
+    def _reach(self, gen: int) -> dict[int, tuple[Manifest, list[Manifest]]]:
+        """For every full of ``gen``: (full, the chain of diffs after it as far as contiguous)."""
+        ms = self._gens.get(gen, [])
+        diffs = sorted((m for m in ms if m.kind == "diff"), key=lambda m: (m.first_step, -m.last_step))
+        out = {}
+        for full in (m for m in ms if m.kind == "full"):
+            chain: list[Manifest] = []
+            nxt = full.last_step + 1
+            progressed = True
+            while progressed:
+                progressed = False
+                # the diff covering `nxt` that reaches furthest
+                best = None
+                for d in diffs:
+                    if d.first_step <= nxt <= d.last_step and (best is None or d.last_step > best.last_step):
+                        best = d
+                if best is not None:
+                    chain.append(best)
+                    nxt = best.last_step + 1
+                    progressed = True
+            out[full.last_step] = (full, chain)
+        return out
+
+    def reachable_steps(self, gen: int) -> list[int]:
+        cap = self._cap(gen)
+        steps: set[int] = set()
+        for f, (full, chain) in self._reach(gen).items():
+            hi = chain[-1].last_step if chain else f
+            steps.update(range(f, hi + 1))
+        return sorted(s for s in steps if cap is None or s <= cap)
+
+    def head(self) -> int | None:
+        """The latest recoverable step on the current timeline, or None."""
+        for gen in sorted(self._gens, reverse=True):
+            steps = self.reachable_steps(gen)
+            if steps:
+                return steps[-1]
+        return None
+
+    def resolve(self, step: int | None = None) -> Plan:
+        """The plan for ``step`` (``None`` = latest). Raises :class:`NoCheckpointError` with what exists."""
+        if not self._gens:
+            raise NoCheckpointError("no committed checkpoint exists")
+        gens = sorted(self._gens, reverse=True)
+        if step is None:
+            for gen in gens:
+                steps = self.reachable_steps(gen)
+                if steps:
+                    return self._plan(gen, steps[-1])
+            raise NoCheckpointError("no committed full checkpoint exists (no step is recoverable)")
+        for gen in gens:
+            start = self.start_of(gen)
+            if start is None or start > step:
+                continue
+            if step in self.reachable_steps(gen):
+                return self._plan(gen, step)
+            break  # the newest generation that started at or before `step` does not hold it
+        head = self.head()
+        raise NoCheckpointError(f"step {step} is not recoverable on the current timeline "
+                                f"(latest recoverable step: {head})")
+
+    def _plan(self, gen: int, step: int) -> Plan:
+        best = None
+        for f, (full, chain) in self._reach(gen).items():
+            hi = chain[-1].last_step if chain else f
+            if f <= step <= hi and (best is None or f > best[0].last_step):
+                best = (full, chain)
+        assert best is not None
+        full, chain = best
+        used = tuple(d for d in chain if d.first_step <= step)
+        return Plan(step=step, generation=gen, full=full, diffs=used)
