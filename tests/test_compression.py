@@ -24,7 +24,7 @@ from ray_ckpt.engine import support
 RATIO = 0.01
 STEPS = 3
 SMALL_SAMPLE = 256  # buckets above 4 * 256 elements take the sampled path
-BUCKET_CAP_MB = 0.02  # ~5k floats: several buckets for the MLP below
+BUCKET_CAP_MB = 0.01  # ~2.6k floats: several buckets for the MLP below
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def _run(rank: int, name: str, make_state, hook, group) -> dict:
         opt.zero_grad()
     result = {"steps": steps}
     if isinstance(state, TopKState):
-        result["k"] = {i: state.k_for(b["numel"]) for i, b in steps[-1]["buckets"].items()}
+        assert all(state.k_for(b["numel"]) == topk_count(b["numel"], RATIO) for b in steps[-1]["buckets"].values())
         residuals = [state.residual(i) for i in steps[-1]["buckets"]]
         result["residual_nnz"] = sum(int(torch.count_nonzero(r)) for r in residuals if r is not None)
     return result
@@ -230,16 +230,16 @@ def runs():
 
 def _check_topk_steps(result: dict, rank_results: list[dict] | None = None) -> None:
     """Bounds and support of every step of one rank's top-k run; values against the local gradients."""
-    k_of = result["k"]
     for s, step in enumerate(result["steps"]):
         buckets = step["buckets"]
+        print({i: (b["numel"], b["nnz"], len(b["params"])) for i, b in buckets.items()})
         assert buckets, "the hook did not run"
         total_numel = sum(b["numel"] for b in buckets.values())
         assert total_numel == sum(g.numel() for g in step["grads"])
         total_nnz = 0
         support_of = dict(zip(step["param_ids"], step["supports"]))
         grad_of = dict(zip(step["param_ids"], step["grads"]))
-        for index, b in buckets.items():
+        for b in buckets.values():
             k = topk_count(b["numel"], RATIO)
             assert b["consecutive"], "bucket gradients are not consecutive contiguous views of the buffer"
             assert b["nnz"] <= k
@@ -254,8 +254,6 @@ def _check_topk_steps(result: dict, rank_results: list[dict] | None = None) -> N
                 assert idx.numel() == 0 or (0 <= int(idx[0]) and int(idx[-1]) < grad_of[pid].numel())
                 published += idx.numel()
             assert published <= k
-            if index in k_of:
-                assert k_of[index] == k
         total_k = sum(topk_count(b["numel"], RATIO) for b in buckets.values())
         assert total_nnz <= total_k
         assert total_nnz >= 0.9 * total_k  # ~ ratio * numel, bucket by bucket
@@ -308,7 +306,11 @@ def test_int8_close_to_true_mean(runs):
     for s in range(STEPS):
         got = torch.cat([g.view(-1) for g in runs[0]["int8"]["steps"][s]["grads"]])
         mean = sum(torch.cat([g.view(-1) for g in runs[r]["int8"]["steps"][s]["local"]]) for r in range(2)) / 2
-        assert torch.linalg.vector_norm(got - mean) / torch.linalg.vector_norm(mean) < 0.02
+        # one scale per rank and bucket: each rank's error is at most half a step, max|x_r| / 254 per element
+        bound = sum(max(float(g.abs().max()) for g in runs[r]["int8"]["steps"][s]["local"]) for r in range(2))
+        assert torch.all((got - mean).abs() <= bound / 254 / 2 * (1 + 1e-5))
+        print("int8 max err", float((got-mean).abs().max()), bound/508)
+        assert torch.linalg.vector_norm(got - mean) / torch.linalg.vector_norm(mean) < 0.1
     for r in range(2):
         assert all(s["supports"] == [None] * len(s["supports"]) for s in runs[r]["int8"]["steps"])
 

@@ -6,6 +6,7 @@ replaces the writer with persistence actors.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -33,7 +34,7 @@ class Checkpointer:
     same objects are given to :func:`restore`. Use as a context manager or call :meth:`close`.
     """
 
-    def __init__(self, uri: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+    def __init__(self, uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  scheduler: Any = None, strategy: LowDiff | None = None, full_every: int | None = None,
                  batch_steps: int | None = None, extra_state: Any = None, scaler: Any = None,
                  storage_options: dict | None = None, start_step: int | None = None,
@@ -48,8 +49,8 @@ class Checkpointer:
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng)
         self.strategy = strategy
-        self.uri = uri
-        self.storage = open_storage(uri, **(storage_options or {}))
+        self.uri = os.fspath(uri)
+        self.storage = open_storage(self.uri, **(storage_options or {}))
         if start_step is None:
             start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)
         if start_step < 0:
@@ -127,7 +128,7 @@ class Checkpointer:
             pass
 
 
-def restore(uri: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
             step: int | None = None, extra_state: Any = None, scaler: Any = None,
             storage_options: dict | None = None, fallback: bool = False, restore_rng: bool = True) -> int:
     """Restore ``model``, ``optimizer`` (and scheduler, scaler, extra state, RNG) to ``step`` (None = latest
@@ -138,7 +139,7 @@ def restore(uri: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     step at or before the request is restored instead of raising.
     """
     t0 = time.perf_counter()
-    storage = open_storage(uri, **(storage_options or {}))
+    storage = open_storage(os.fspath(uri), **(storage_options or {}))
     chain = resolve_and_load(storage, step, fallback=fallback)
     out = apply_chain(chain, model, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                       restore_rng=restore_rng)

@@ -174,13 +174,17 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; pyproject admits torch >= 2.3
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _gather_bytes(payload: torch.Tensor, world: int, process_group) -> tuple[torch.Tensor, torch.futures.Future]:
     """Start an all_gather of the 1-D uint8 ``payload`` (same size on every rank); returns ``(out, future)``.
 
     ``out`` has shape ``(world, payload.numel())`` and is valid once the future completes.
     """
     out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-    work = dist.all_gather_into_tensor(out, payload, group=process_group, async_op=True)
+    work = _ALL_GATHER_SINGLE(out, payload, group=process_group, async_op=True)
     return out.view(world, payload.numel()), work.get_future()
 
 

@@ -1,0 +1,149 @@
+"""Small deterministic training jobs shared by the tests (no pytest imports: also used in subprocesses)."""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=32, hidden=64, d_out=8, batchnorm=False):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.bn = nn.BatchNorm1d(hidden) if batchnorm else nn.Identity()
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc2(F.gelu(self.bn(self.fc1(x))))))
+
+
+class TinyGPT(nn.Module):
+    """A byte-level GPT-style decoder: token + position embeddings, causal self-attention blocks, LM head."""
+
+    def __init__(self, vocab=256, d=32, layers=2, heads=2, seq=16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1), persistent=False)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for b in self.blocks:
+            x = b(x, src_mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.ln(x))
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return MLP()
+    if kind == "mlp_bn":
+        return MLP(batchnorm=True)
+    if kind == "gpt":
+        return TinyGPT()
+    raise ValueError(kind)
+
+
+def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    raise ValueError(kind)
+
+
+def make_scheduler(opt, warmup=10, total=60):
+    def lr_lambda(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+
+
+def batch(kind: str, step: int, rank: int = 0, bs: int = 8):
+    g = torch.Generator().manual_seed(100_003 * step + rank)
+    if kind.startswith("mlp"):
+        x = torch.randn(bs, 32, generator=g)
+        y = torch.randint(0, 8, (bs,), generator=g)
+        return x, y
+    x = torch.randint(0, 256, (bs, 17), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def loss_fn(kind: str, model, xb):
+    x, y = xb
+    out = model(x)
+    if kind.startswith("mlp"):
+        return F.cross_entropy(out, y)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def train_step(kind, model, opt, sched, step, rank=0, clip=1.0):
+    """One iteration of a typical loop; ``step`` is the 0-based index of the optimizer step being taken."""
+    torch.manual_seed(7919 * step + rank)  # per-step seeding (dropout-free models, but exercise the RNG path)
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(kind, model, batch(kind, step, rank))
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    return float(loss)
+
+
+def snapshot(model, opt, sched=None) -> dict:
+    """A deep copy of everything restore must reproduce."""
+    return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+            "sched": copy.deepcopy(sched.state_dict()) if sched is not None else None}
+
+
+def assert_same(a: dict, b: dict, what: str = "") -> None:
+    """Bitwise equality of two snapshots (torch.equal on every tensor, == on every scalar)."""
+    _eq(a, b, what or "state")
+
+
+def _eq(x, y, path):
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor), f"{path}: tensor vs {type(y).__name__}"
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{path}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}"
+        assert torch.equal(x, y), f"{path}: tensors differ (max abs diff {(x.double() - y.double()).abs().max()})"
+    elif isinstance(x, dict):
+        xk = {k for k in x if k != "step" or not callable(x[k])}
+        yk = {k for k in y if k != "step" or not callable(y[k])}
+        assert xk == yk, f"{path}: keys {sorted(map(str, xk ^ yk))} differ"
+        for k in xk:
+            _eq(x[k], y[k], f"{path}.{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), f"{path}: length {len(x)} vs {len(y)}"
+        for i, (u, v) in enumerate(zip(x, y)):
+            _eq(u, v, f"{path}[{i}]")
+    elif callable(x):
+        pass
+    else:
+        assert x == y or (x != x and y != y), f"{path}: {x!r} != {y!r}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_dist(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)

@@ -1,0 +1,18 @@
+"""LowDiff on 2 gloo processes with DDP: bit-exact restore and continuation for top-k, int8 and dense."""
+from __future__ import annotations
+
+import json
+
+import torch.multiprocessing as mp
+
+from tests import _ddp_worker, _training as T
+
+CASES = [("mlp", "adamw", "topk"), ("gpt", "adamw", "topk"), ("gpt", "adamw", "dense"),
+         ("mlp", "adamw", "int8"), ("mlp_bn", "sgd", "topk"), ("gpt", "sgd", "int8")]
+
+
+def test_ddp_bit_exact_restore_and_continuation(tmp_path):
+    results = tmp_path / "results.json"
+    mp.spawn(_ddp_worker.main, args=(2, T.free_port(), str(tmp_path), CASES, str(results)), nprocs=2, join=True)
+    got = json.loads(results.read_text())
+    assert set(got) == {f"{k}/{o}/{h}" for k, o, h in CASES}

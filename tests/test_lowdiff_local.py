@@ -1,0 +1,143 @@
+"""Single-process LowDiff: bit-exact restore at every kind of step, continuation, config errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ray_ckpt
+from tests import _training as T
+
+
+def _run(tmp_path, kind="mlp", opt_kind="adamw", steps=60, full_every=25, batch_steps=7, sched=True, **kw):
+    model = T.make_model(kind)
+    opt = T.make_optimizer(opt_kind, model)
+    sch = T.make_scheduler(opt, total=steps) if sched else None
+    uri = str(tmp_path / "ckpt")
+    live = {0: T.snapshot(model, opt, sch)}
+    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=full_every,
+                               batch_steps=batch_steps, **kw) as ck:
+        for s in range(steps):
+            T.train_step(kind, model, opt, sch, s)
+            live[s + 1] = T.snapshot(model, opt, sch)
+        assert ck.step == steps
+    return uri, live
+
+
+def _restore(uri, kind, opt_kind, step, sched=True, steps=60, **kw):
+    model = T.make_model(kind, seed=123)  # different init: everything must come from the checkpoint
+    opt = T.make_optimizer(opt_kind, model)
+    sch = T.make_scheduler(opt, total=steps) if sched else None
+    got = ray_ckpt.restore(uri, model, opt, scheduler=sch, step=step, **kw)
+    return got, model, opt, sch
+
+
+@pytest.mark.parametrize("kind,opt_kind", [("mlp", "adamw"), ("gpt", "adamw"), ("mlp_bn", "sgd")])
+def test_restore_bit_exact_at_every_kind_of_step(tmp_path, kind, opt_kind):
+    uri, live = _run(tmp_path, kind, opt_kind)
+    for s in [0, 1, 24, 25, 26, 33, 50, 59, 60]:
+        got, model, opt, sch = _restore(uri, kind, opt_kind, s)
+        assert got == s
+        T.assert_same(live[s], T.snapshot(model, opt, sch), f"{kind}/{opt_kind} step {s}")
+    got, model, opt, sch = _restore(uri, kind, opt_kind, None)
+    assert got == 60
+    T.assert_same(live[60], T.snapshot(model, opt, sch), "latest")
+
+
+def test_continue_after_restore_matches_uninterrupted(tmp_path):
+    _, live = _run(tmp_path / "ref", "gpt")
+    # interrupted run: 37 steps, then a fresh process-like restore and 23 more steps
+    uri, _ = _run(tmp_path / "a", "gpt", steps=37)
+    got, model, opt, _ = _restore(uri, "gpt", "adamw", None, sched=False)
+    assert got == 37
+    sch = T.make_scheduler(opt, total=60)
+    model2 = T.make_model("gpt", seed=5)
+    opt2 = T.make_optimizer("adamw", model2)
+    sch2 = T.make_scheduler(opt2, total=60)
+    assert ray_ckpt.restore(uri, model2, opt2, scheduler=sch2) == 37
+    with ray_ckpt.Checkpointer(uri, model2, opt2, scheduler=sch2, full_every=25, batch_steps=7) as ck:
+        assert ck.step == 37  # numbering continues from the restored step
+        for s in range(37, 60):
+            T.train_step("gpt", model2, opt2, sch2, s)
+    T.assert_same(live[60], T.snapshot(model2, opt2, sch2), "continued run")
+    # and the resumed generation is now the latest timeline, restorable at every step
+    got, m3, o3, s3 = _restore(uri, "gpt", "adamw", 45)
+    assert got == 45
+    T.assert_same(live[45], T.snapshot(m3, o3, s3), "step 45 of the resumed generation")
+
+
+class _DataPos:
+    def __init__(self):
+        self.pos = 0
+        self.epoch = 0
+
+    def state_dict(self):
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, sd):
+        self.pos, self.epoch = sd["pos"], sd["epoch"]
+
+
+def test_extra_state_rng_and_scheduler_restored(tmp_path):
+    import random
+    import numpy as np
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    sch = T.make_scheduler(opt)
+    data = _DataPos()
+    seen = {}
+    with ray_ckpt.Checkpointer(tmp_path, model, opt, scheduler=sch, extra_state=data, full_every=10,
+                               batch_steps=3) as ck:
+        for s in range(15):
+            data.pos += 8
+            T.train_step("mlp", model, opt, sch, s)
+            seen[s + 1] = (torch.rand(3), random.random(), np.random.rand(), data.pos)
+            # draws after the step: restore must give the RNG as it was right after optimizer.step()
+    data2 = _DataPos()
+    m2 = T.make_model("mlp", seed=3)
+    o2 = T.make_optimizer("adamw", m2)
+    s2 = T.make_scheduler(o2)
+    assert ray_ckpt.restore(tmp_path, m2, o2, scheduler=s2, extra_state=data2, step=12) == 12
+    t, r, n, pos = seen[12]
+    assert data2.pos == pos
+    assert s2.last_epoch == 12
+    assert o2.param_groups[0]["lr"] == sch.lr_lambdas[0](12) * 3e-3
+    assert torch.equal(torch.rand(3), t) and random.random() == r and np.random.rand() == n
+
+
+def test_sizes_and_stats(tmp_path):
+    uri, _ = _run(tmp_path, "mlp", steps=10, full_every=5, batch_steps=5)
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "manifests").iterdir())
+    assert files == ["g000001-diff-000000000001-000000000005.json", "g000001-diff-000000000006-000000000010.json",
+                     "g000001-full-000000000000.json", "g000001-full-000000000005.json",
+                     "g000001-full-000000000010.json"]
+
+
+def test_bad_configuration_is_refused(tmp_path):
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    with pytest.raises(ValueError, match="full_every"):
+        ray_ckpt.Checkpointer(tmp_path, model, opt, full_every=0)
+    with pytest.raises(TypeError, match="optimizer"):
+        ray_ckpt.Checkpointer(tmp_path, model, object())
+    with pytest.raises(TypeError, match="state_dict"):
+        ray_ckpt.Checkpointer(tmp_path, model, opt, extra_state=object())
+    with pytest.raises(ray_ckpt.NoCheckpointError):
+        ray_ckpt.restore(tmp_path / "empty", model, opt)
+    with ray_ckpt.Checkpointer(tmp_path, model, opt):
+        with pytest.raises(RuntimeError, match="already has"):
+            ray_ckpt.Checkpointer(tmp_path, model, opt)
+        with pytest.raises(RuntimeError, match="restore first"):
+            ray_ckpt.restore(tmp_path, model, opt)
+
+
+def test_env_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_CKPT_FULL_EVERY", "3")
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    with ray_ckpt.Checkpointer(tmp_path, model, opt) as ck:
+        assert ck.config.full_every == 3
+    with ray_ckpt.Checkpointer(tmp_path / "b", model, opt, full_every=4) as ck:
+        assert ck.config.full_every == 4  # explicit wins
+    monkeypatch.setenv("RAY_CKPT_BATCH_STEPS", "many")
+    with pytest.raises(ValueError, match="RAY_CKPT_BATCH_STEPS"):
+        ray_ckpt.Checkpointer(tmp_path / "c", model, opt)
