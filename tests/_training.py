@@ -101,7 +101,7 @@ def train_step(kind, model, opt, sched, step, rank=0, clip=1.0):
     opt.step()
     if sched is not None:
         sched.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def snapshot(model, opt, sched=None) -> dict:

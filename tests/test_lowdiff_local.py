@@ -8,10 +8,11 @@ import ray_ckpt
 from tests import _training as T
 
 
-def _run(tmp_path, kind="mlp", opt_kind="adamw", steps=60, full_every=25, batch_steps=7, sched=True, **kw):
+def _run(tmp_path, kind="mlp", opt_kind="adamw", steps=60, full_every=25, batch_steps=7, sched=True, total=60,
+         **kw):
     model = T.make_model(kind)
     opt = T.make_optimizer(opt_kind, model)
-    sch = T.make_scheduler(opt, total=steps) if sched else None
+    sch = T.make_scheduler(opt, total=total) if sched else None
     uri = str(tmp_path / "ckpt")
     live = {0: T.snapshot(model, opt, sch)}
     with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=full_every,
@@ -47,9 +48,6 @@ def test_continue_after_restore_matches_uninterrupted(tmp_path):
     _, live = _run(tmp_path / "ref", "gpt")
     # interrupted run: 37 steps, then a fresh process-like restore and 23 more steps
     uri, _ = _run(tmp_path / "a", "gpt", steps=37)
-    got, model, opt, _ = _restore(uri, "gpt", "adamw", None, sched=False)
-    assert got == 37
-    sch = T.make_scheduler(opt, total=60)
     model2 = T.make_model("gpt", seed=5)
     opt2 = T.make_optimizer("adamw", model2)
     sch2 = T.make_scheduler(opt2, total=60)

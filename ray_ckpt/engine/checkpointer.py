@@ -14,10 +14,10 @@ import torch
 
 from ray_ckpt.config import CheckpointConfig, LowDiff
 from ray_ckpt.engine.capture import RESTORED_STEP_ATTR, LowDiffCapture
-from ray_ckpt.engine.restore import apply_chain, load_lineage, resolve_and_load
+from ray_ckpt.engine.restore import apply_chain, check_not_attached, load_lineage, resolve_and_load
 from ray_ckpt.engine.writer import AsyncWriter
 from ray_ckpt.policy import FixedFrequencyPolicy
-from ray_ckpt.storage import open_storage
+from ray_ckpt import storage as _storage
 
 log = logging.getLogger("ray_ckpt")
 
@@ -39,8 +39,7 @@ class Checkpointer:
                  batch_steps: int | None = None, extra_state: Any = None, scaler: Any = None,
                  storage_options: dict | None = None, start_step: int | None = None,
                  max_pending_bytes: int | None = None, capture_rng: bool | None = None):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         strategy = strategy if strategy is not None else LowDiff()
@@ -50,7 +49,7 @@ class Checkpointer:
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng)
         self.strategy = strategy
         self.uri = os.fspath(uri)
-        self.storage = open_storage(self.uri, **(storage_options or {}))
+        self.storage = _storage.open_storage(self.uri, **(storage_options or {}))
         if start_step is None:
             start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)
         if start_step < 0:
@@ -139,10 +138,21 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     step at or before the request is restored instead of raising.
     """
     t0 = time.perf_counter()
-    storage = open_storage(os.fspath(uri), **(storage_options or {}))
+    model = _unwrap(model)
+    check_not_attached(optimizer)
+    storage = _storage.open_storage(os.fspath(uri), **(storage_options or {}))
     chain = resolve_and_load(storage, step, fallback=fallback)
     out = apply_chain(chain, model, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                       restore_rng=restore_rng)
     log.info("ray_ckpt: restored step %d (full %d + %d diffs) from %s in %.3f s", out, chain.full.step,
              len(chain.records), storage.describe(), time.perf_counter() - t0)
     return out
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose state is checkpointed: DistributedDataParallel is unwrapped (its ``module``)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return model

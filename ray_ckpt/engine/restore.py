@@ -125,9 +125,7 @@ def apply_chain(chain: LoadedChain, model: torch.nn.Module, optimizer: torch.opt
                 scheduler: Any = None, scaler: Any = None, extra_state: Any = None,
                 restore_rng: bool = True) -> int:
     """Load the full state into ``model``/``optimizer`` and replay the records. Returns the restored step."""
-    if getattr(optimizer, ATTACHED_ATTR, None) is not None:
-        raise RuntimeError("restore into an optimizer that has a Checkpointer attached would checkpoint the "
-                           "replayed steps again: restore first, then attach")
+    check_not_attached(optimizer)
     full = chain.full
     model.load_state_dict(full.model)
     optimizer.load_state_dict(full.optimizer)
@@ -169,6 +167,12 @@ def apply_chain(chain: LoadedChain, model: torch.nn.Module, optimizer: torch.opt
         set_rng_state(loop["rng"])
     setattr(optimizer, RESTORED_STEP_ATTR, chain.step)
     return chain.step
+
+
+def check_not_attached(optimizer: torch.optim.Optimizer) -> None:
+    if getattr(optimizer, ATTACHED_ATTR, None) is not None:
+        raise RuntimeError("restore into an optimizer that has a Checkpointer attached would checkpoint the "
+                           "replayed steps again: restore first, then attach")
 
 
 def _load_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:

@@ -41,6 +41,10 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any
         return name
 
     def enc(x: Any, path: str) -> Any:
+        if isinstance(x, np.generic):  # before the scalars: np.float64 is a float subclass
+            if x.dtype.kind not in _NUMPY_KINDS:
+                raise TreeError(f"{path}: numpy scalar of dtype {x.dtype} cannot be stored")
+            return {_TAG: "S", "dtype": x.dtype.str, "v": enc(x.item(), path)}
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, int):
@@ -62,10 +66,6 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any
             raw = np.ascontiguousarray(x)
             tensors[name] = torch.from_numpy(raw.reshape(-1).view(np.uint8).copy())
             return {_TAG: "A", "n": name, "dtype": raw.dtype.str, "shape": list(raw.shape)}
-        if isinstance(x, np.generic):
-            if x.dtype.kind not in _NUMPY_KINDS:
-                raise TreeError(f"{path}: numpy scalar of dtype {x.dtype} cannot be stored")
-            return {_TAG: "S", "dtype": x.dtype.str, "v": enc(x.item(), path)}
         if isinstance(x, tuple):
             return {_TAG: "t", "v": [enc(v, f"{path}[{i}]") for i, v in enumerate(x)]}
         if isinstance(x, list):

@@ -1,0 +1,166 @@
+"""Pure layers: container, tree codec, manifests, chain resolution (no Ray, no storage)."""
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import random
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from ray_ckpt.format import container
+from ray_ckpt.format.container import CorruptObjectError
+from ray_ckpt.format.tree import TreeError, decode_tree, encode_tree
+from ray_ckpt.lineage import Lineage, Manifest, ManifestError, NoCheckpointError, diff_name, full_name, object_key
+
+
+def test_container_round_trip_all_dtypes():
+    ts = {
+        "f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16), "f16": torch.randn(2, 2).half(),
+        "f64": torch.randn(7, dtype=torch.float64), "i64": torch.arange(5), "i32": torch.arange(3, dtype=torch.int32),
+        "u8": torch.randint(0, 255, (9,), dtype=torch.uint8), "b": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5), "empty": torch.empty(0, 3), "negzero": torch.tensor([-0.0, 0.0]),
+    }
+    data = container.encode_bytes({"hello": [1, 2.5]}, ts)
+    meta, out = container.decode_tensors(data, "x")
+    assert meta == {"hello": [1, 2.5]}
+    for k, t in ts.items():
+        assert out[k].dtype == t.dtype and out[k].shape == t.shape
+        assert torch.equal(out[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda b: b[:10], "truncated"),
+    (lambda b: b[:-1], "truncated"),
+    (lambda b: b + b"x", "truncated"),
+    (lambda b: b"XXXXXXXX" + b[8:], "bad magic"),
+    (lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:], "data checksum"),
+    (lambda b: b[:30] + bytes([b[30] ^ 1]) + b[31:], "header checksum"),
+])
+def test_container_detects_corruption(mutate, reason):
+    data = container.encode_bytes({}, {"w": torch.randn(100)})
+    with pytest.raises(CorruptObjectError, match=reason) as e:
+        container.decode(mutate(data), "objects/x.rckpt")
+    assert "objects/x.rckpt" in str(e.value)
+
+
+def _forge(header: dict, data: bytes = b"") -> bytes:
+    h = json.dumps(header).encode()
+    prefix = struct.pack("<8sQI", container.MAGIC, len(h), zlib.crc32(h))
+    pad = (-(len(prefix) + len(h))) % 64
+    return prefix + h + bytes(pad) + data
+
+
+@pytest.mark.parametrize("entry", [
+    {"name": "a", "dtype": "object", "shape": [1], "offset": 0, "nbytes": 8},
+    {"name": "a", "dtype": "float32", "shape": [2**40, 2**40], "offset": 0, "nbytes": 64},
+    {"name": "a", "dtype": "float32", "shape": [16], "offset": 32, "nbytes": 64},
+    {"name": "a", "dtype": "float32", "shape": [-1], "offset": 0, "nbytes": 64},
+    {"name": "a", "dtype": "float32", "shape": [16], "offset": -64, "nbytes": 64},
+])
+def test_container_refuses_hostile_headers(entry):
+    data = bytes(64)
+    forged = _forge({"meta": {}, "tensors": [entry], "data_len": 64, "data_crc": zlib.crc32(data)}, data)
+    with pytest.raises(CorruptObjectError):
+        container.decode(forged, "hostile")
+
+
+def test_container_refuses_absurd_header_length():
+    forged = struct.pack("<8sQI", container.MAGIC, 2**60, 0) + bytes(100)
+    with pytest.raises(CorruptObjectError, match="header length"):
+        container.decode(forged, "hostile")
+
+
+def test_pickle_payload_is_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    payload = pickle.dumps(Evil())
+    with pytest.raises(CorruptObjectError, match="bad magic"):
+        container.decode(payload, "evil.pt")
+    assert not marker.exists()
+
+
+def test_tree_round_trip_exact_types():
+    tree = {"betas": (0.9, 0.95), 3: [1, None, True, "s"], "inf": math.inf, "nan": [math.nan],
+            "t": torch.arange(4.0), "np": np.arange(5, dtype=np.uint32), "nps": np.float64(2.5),
+            "rng": random.getstate(), "nprng": np.random.get_state(), "dt": torch.float16, 1.5: -0.0}
+    tensors: dict = {}
+    enc = encode_tree(tree, tensors, "p")
+    text = json.dumps(enc)
+    out = decode_tree(json.loads(text), tensors)
+    assert out["betas"] == (0.9, 0.95) and isinstance(out["betas"], tuple)
+    assert out[3] == [1, None, True, "s"]
+    assert out["inf"] == math.inf and math.isnan(out["nan"][0])
+    assert torch.equal(out["t"], tree["t"])
+    assert out["np"].dtype == np.uint32 and (out["np"] == tree["np"]).all()
+    assert out["nps"] == 2.5 and isinstance(out["nps"], np.float64)
+    assert out["rng"][1] == tree["rng"][1] or tuple(out["rng"][1]) == tree["rng"][1]
+    assert out["nprng"][0] == "MT19937" and (out["nprng"][1] == tree["nprng"][1]).all()
+    assert out["dt"] is torch.float16
+    assert math.copysign(1, out[1.5]) == -1
+
+
+def test_tree_refuses_unknown_types():
+    with pytest.raises(TreeError, match="a.b"):
+        encode_tree({"a": {"b": object()}}, {}, "p")
+    with pytest.raises(TreeError):
+        decode_tree({"__rc": "A", "n": "x", "dtype": "O", "shape": [1]}, {"x": torch.zeros(8, dtype=torch.uint8)})
+    with pytest.raises(TreeError):
+        decode_tree({"__rc": "dt", "v": "__class__"}, {})
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _m(gen, kind, a, b=None):
+    b = a if b is None else b
+    name = full_name(gen, a) if kind == "full" else diff_name(gen, a, b)
+    return Manifest(kind=kind, generation=gen, first_step=a, last_step=b, object=object_key(name), nbytes=1, crc32=0)
+
+
+def test_chain_resolution_picks_latest_full_and_contiguous_diffs():
+    ms = [_m(1, "full", 0), _m(1, "diff", 1, 5), _m(1, "diff", 6, 10), _m(1, "full", 10), _m(1, "diff", 11, 13)]
+    lin = Lineage(ms)
+    p = lin.resolve(None)
+    assert p.step == 13 and p.full.last_step == 10 and [d.first_step for d in p.diffs] == [11]
+    p = lin.resolve(7)
+    assert p.full.last_step == 0 and [d.last_step for d in p.diffs] == [5, 10]
+    assert lin.resolve(10).diffs == ()
+    # a gap: diffs 6..10 missing -> steps 6..9 unreachable, 10.. via the full at 10
+    lin = Lineage(ms, exclude=[diff_name(1, 6, 10)])
+    with pytest.raises(NoCheckpointError):
+        lin.resolve(7)
+    assert lin.resolve(12).full.last_step == 10
+    assert lin.reachable_steps(1) == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13]
+
+
+def test_newer_generation_supersedes_from_its_start():
+    ms = [_m(1, "full", 0), _m(1, "diff", 1, 20), _m(2, "full", 8), _m(2, "diff", 9, 12)]
+    lin = Lineage(ms)
+    assert lin.resolve(None).step == 12 and lin.resolve(None).generation == 2
+    assert lin.resolve(5).generation == 1
+    assert lin.resolve(10).generation == 2
+    with pytest.raises(NoCheckpointError, match="latest recoverable step: 12"):
+        lin.resolve(15)  # only on the abandoned timeline of generation 1
+    # generation 2 lost entirely -> fall back to generation 1, capped at generation 2's start
+    lin = Lineage(ms, exclude=[full_name(2, 8)])
+    assert lin.resolve(None).step == 20 or lin.resolve(None).step == 8
+    assert Lineage(ms).next_generation() == 3
+
+
+@pytest.mark.parametrize("patch", [
+    {"object": "../../etc/passwd"}, {"object": "objects/../x.rckpt"}, {"object": "/abs"},
+    {"nbytes": 2**60}, {"kind": "evil"}, {"first_step": 5, "last_step": 1}, {"surprise": 1},
+    {"generation": -1}, {"format": 99},
+])
+def test_hostile_manifests_are_refused(patch):
+    d = _m(1, "diff", 1, 5).to_dict()
+    d.update(patch)
+    with pytest.raises(ManifestError):
+        Manifest.from_json(json.dumps(d).encode(), "manifests/x.json")
