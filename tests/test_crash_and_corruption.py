@@ -25,8 +25,8 @@ def _reference(steps):
     return T.snapshot(model, opt)
 
 
-def _fresh():
-    torch.manual_seed(1)
+def _fresh(seed=1):
+    torch.manual_seed(seed)
     model = T.MLP(d_in=32, hidden=512, d_out=8)
     return model, T.make_optimizer("adamw", model)
 
@@ -53,7 +53,7 @@ def test_sigkill_mid_write_leaves_last_committed_step(tmp_path, kill_after):
 
 
 def _train_and_checkpoint(uri, steps=20):
-    model, opt = _fresh()
+    model, opt = _fresh(seed=0)  # the same init as _reference
     with ray_ckpt.Checkpointer(uri, model, opt, full_every=10, batch_steps=4):
         for s in range(steps):
             T.train_step("mlp", model, opt, None, s)
