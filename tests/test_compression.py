@@ -152,12 +152,13 @@ def _recording(hook, state, log: dict):
     return wrapped
 
 
-def _run(rank: int, name: str, make_state, hook, group, **ddp_kwargs) -> dict:
+def _run(rank: int, name: str, make_state, hook, group, raw: bool = False, **ddp_kwargs) -> dict:
     model = _mlp()
     ddp = DDP(model, process_group=group, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kwargs)
     state = make_state(group)
     log: dict = {}
-    ddp.register_comm_hook(state, _recording(hook, state, log))
+    # raw: the hook itself, so DDP's signature check of register_comm_hook sees its annotations
+    ddp.register_comm_hook(state, hook if raw else _recording(hook, state, log))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     params = list(model.parameters())
     steps = []
@@ -196,6 +197,8 @@ SCENARIOS = {
     "topk_ef": (lambda g: TopKState(g, ratio=RATIO, error_feedback=True, sample_size=SMALL_SAMPLE), topk_hook,
                 "explicit", {}),
     "int8": (lambda g: Int8State(g), int8_hook, "explicit", {}),
+    "topk_raw": (lambda g: TopKState(ratio=RATIO, sample_size=SMALL_SAMPLE), topk_hook, "default", {"raw": True}),
+    "int8_raw": (lambda g: Int8State(), int8_hook, "default", {"raw": True}),
 }
 SOLO_SCENARIOS = {  # on a one-rank subgroup: world size 1
     "solo_topk_exact": (lambda g: TopKState(g, ratio=RATIO, sampled=False), topk_hook),
@@ -284,7 +287,8 @@ def _assert_identical_across_ranks(a: dict, b: dict) -> None:
             assert torch.equal(ga, gb)
 
 
-@pytest.mark.parametrize("name", ["topk_sampled", "topk_exact", "topk_view", "topk_ef", "int8"])
+@pytest.mark.parametrize("name", ["topk_sampled", "topk_exact", "topk_view", "topk_ef", "int8", "topk_raw",
+                                  "int8_raw"])
 def test_gradients_bitwise_identical_across_ranks(runs, name):
     _assert_identical_across_ranks(runs[0][name], runs[1][name])
 
@@ -295,6 +299,17 @@ def test_topk_bounds_support_and_values(runs, name):
     assert len(last) >= 3 and all(b["numel"] > 4 * SMALL_SAMPLE for b in last.values())
     for r in range(2):
         _check_topk_steps(runs[r][name], [runs[0][name], runs[1][name]])
+
+
+def test_raw_hooks_registered_directly(runs):
+    """The unwrapped hooks pass DDP's annotation check and give the same gradients as the recorded runs."""
+    for r in range(2):
+        for raw, recorded in (("topk_raw", "topk_sampled"), ("int8_raw", "int8")):
+            for a, b in zip(runs[r][raw]["steps"], runs[r][recorded]["steps"], strict=True):
+                assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True))
+                if raw == "topk_raw":
+                    for g, idx in zip(a["grads"], a["supports"], strict=True):
+                        assert torch.isin(torch.nonzero(g.view(-1)).squeeze(1), idx).all()
 
 
 def test_topk_error_feedback(runs):

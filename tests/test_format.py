@@ -118,10 +118,11 @@ def test_tree_refuses_unknown_types():
 
 
 # ------------------------------------------------------------------------------------------------------------
-def _m(gen, kind, a, b=None):
+def _m(gen, kind, a, b=None, **info):
     b = a if b is None else b
     name = full_name(gen, a) if kind == "full" else diff_name(gen, a, b)
-    return Manifest(kind=kind, generation=gen, first_step=a, last_step=b, object=object_key(name), nbytes=1, crc32=0)
+    return Manifest(kind=kind, generation=gen, first_step=a, last_step=b, object=object_key(name), nbytes=1,
+                    crc32=0, info=info)
 
 
 def test_chain_resolution_picks_latest_full_and_contiguous_diffs():
@@ -164,3 +165,17 @@ def test_hostile_manifests_are_refused(patch):
     d.update(patch)
     with pytest.raises(ManifestError):
         Manifest.from_json(json.dumps(d).encode(), "manifests/x.json")
+
+
+def test_atomic_objects_are_used_whole_or_not_at_all():
+    # steps 1..3 as single increments, plus a merged (atomic) object covering 1..3; full at 0
+    ms = [_m(1, "full", 0), _m(1, "diff", 1, 1, atomic=True), _m(1, "diff", 2, 2, atomic=True),
+          _m(1, "diff", 3, 3, atomic=True), _m(1, "diff", 1, 3, atomic=True)]
+    lin = Lineage(ms)
+    assert lin.reachable_steps(1) == [0, 1, 2, 3]
+    assert [(d.first_step, d.last_step) for d in lin.resolve(3).diffs] == [(1, 3)]  # merged: one object
+    assert [(d.first_step, d.last_step) for d in lin.resolve(2).diffs] == [(1, 1), (2, 2)]
+    only_merged = Lineage([_m(1, "full", 0), _m(1, "diff", 1, 3, atomic=True)])
+    assert only_merged.reachable_steps(1) == [0, 3]
+    with pytest.raises(NoCheckpointError):
+        only_merged.resolve(2)

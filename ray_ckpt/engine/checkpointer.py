@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from ray_ckpt.config import CheckpointConfig, LowDiff
-from ray_ckpt.engine.capture import RESTORED_STEP_ATTR, LowDiffCapture
+from ray_ckpt.engine.capture import RESTORED_STEP_ATTR
 from ray_ckpt.engine.restore import apply_chain, check_not_attached, load_lineage, resolve_and_load
+from ray_ckpt.engine.strategy import impl_for
 from ray_ckpt.engine.writer import AsyncWriter
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt import storage as _storage
@@ -35,7 +36,7 @@ class Checkpointer:
     """
 
     def __init__(self, uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 scheduler: Any = None, strategy: LowDiff | None = None, full_every: int | None = None,
+                 scheduler: Any = None, strategy: Any = None, full_every: int | None = None,
                  batch_steps: int | None = None, extra_state: Any = None, scaler: Any = None,
                  storage_options: dict | None = None, start_step: int | None = None,
                  max_pending_bytes: int | None = None, capture_rng: bool | None = None):
@@ -43,8 +44,7 @@ class Checkpointer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         strategy = strategy if strategy is not None else LowDiff()
-        if not isinstance(strategy, LowDiff):
-            raise TypeError(f"strategy must be ray_ckpt.LowDiff(...), got {type(strategy).__name__}")
+        impl = impl_for(strategy)
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng)
         self.strategy = strategy
@@ -58,15 +58,13 @@ class Checkpointer:
         self.generation = lineage.next_generation()
         info = {"num_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
                 "optimizer": type(optimizer).__name__, "start_step": start_step}
-        self._writer = AsyncWriter(self.storage, self.generation,
+        self._writer = AsyncWriter(self.storage, self.generation, impl,
                                    max_pending_bytes=self.config.max_pending_bytes,
-                                   write_retries=self.config.write_retries, strategy=strategy.name,
-                                   max_sparse_density=strategy.max_sparse_density, info=info)
+                                   write_retries=self.config.write_retries, info=info)
         policy = FixedFrequencyPolicy(self.config.full_every, self.config.batch_steps)
-        self._capture = LowDiffCapture(model, optimizer, self._writer, policy, start_step=start_step,
-                                       scheduler=scheduler, scaler=scaler, extra_state=extra_state,
-                                       capture_rng=self.config.capture_rng,
-                                       capture_buffers=strategy.capture_buffers)
+        self._capture = impl.make_capture(model, optimizer, self._writer, policy, start_step=start_step,
+                                          scheduler=scheduler, scaler=scaler, extra_state=extra_state,
+                                          capture_rng=self.config.capture_rng)
         self._closed = False
         try:
             self._writer.submit(self._capture.snapshot_now())

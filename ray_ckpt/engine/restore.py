@@ -14,9 +14,10 @@ from typing import Any, Callable
 import torch
 
 from ray_ckpt.engine.capture import ATTACHED_ATTR, RESTORED_STEP_ATTR, apply_group_values, set_rng_state
+from ray_ckpt.engine.strategy import impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
-from ray_ckpt.format.records import FullState, StepRecord
+from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import MANIFESTS_DIR, Lineage, Manifest, ManifestError, NoCheckpointError, Plan
 
 log = logging.getLogger("ray_ckpt")
@@ -28,7 +29,7 @@ class LoadedChain:
 
     plan: Plan
     full: FullState
-    records: list[StepRecord]
+    records: list  #: the strategy's diff records, in step order
 
     @property
     def step(self) -> int:
@@ -67,17 +68,17 @@ def load_chain(storage, plan: Plan, reader: Callable[[Manifest], Any] | None = N
     full = rec_fmt.decode_full(read_object(storage, plan.full, reader), plan.full.object)
     if full.step != plan.full.last_step:
         raise CorruptObjectError(plan.full.object, f"holds step {full.step}, manifest says {plan.full.last_step}")
-    records: list[StepRecord] = []
+    records: list = []
     for m in plan.diffs:
-        batch = rec_fmt.decode_steps(read_object(storage, m, reader), m.object)
+        batch = impl_by_name(m.strategy).decode_diffs(read_object(storage, m, reader), m.object)
         steps = [r.step for r in batch]
-        if steps != list(range(m.first_step, m.last_step + 1)):
+        if not steps or steps != sorted(set(steps)) or steps[0] < m.first_step or steps[-1] != m.last_step:
             raise CorruptObjectError(m.object, f"holds steps {steps[:3]}..., manifest says "
                                                f"{m.first_step}..{m.last_step}")
-        records.extend(r for r in batch if full.step < r.step <= plan.step)
-    expected = list(range(full.step + 1, plan.step + 1))
-    if [r.step for r in records] != expected:
-        raise NoCheckpointError(f"diffs for steps {full.step + 1}..{plan.step} are incomplete")
+        records.extend(r for r in batch if full.step < r.step <= plan.step
+                       and (not records or r.step > records[-1].step))
+    if plan.step != (records[-1].step if records else full.step):
+        raise NoCheckpointError(f"diffs after step {full.step} do not reach step {plan.step}")
     return LoadedChain(plan, full, records)
 
 
@@ -129,23 +130,11 @@ def apply_chain(chain: LoadedChain, model: torch.nn.Module, optimizer: torch.opt
     full = chain.full
     model.load_state_dict(full.model)
     optimizer.load_state_dict(full.optimizer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for rec in chain.records:
-        if len(rec.grads) != len(params):
-            raise ValueError(f"step {rec.step} recorded {len(rec.grads)} parameters, the optimizer has "
-                             f"{len(params)}: restore into the same model and optimizer layout")
-        apply_group_values(optimizer, rec.hparams)
-        for p, g in zip(params, rec.grads):
-            if g is None:
-                p.grad = None
-                continue
-            if tuple(p.shape) != g.shape:
-                raise ValueError(f"step {rec.step}: gradient of shape {g.shape} for a parameter of shape "
-                                 f"{tuple(p.shape)}")
-            p.grad = g.to_dense(p.device)
-        optimizer.step()
-    for p in params:
-        p.grad = None
+    if chain.records:
+        strategies = {m.strategy for m in chain.plan.diffs}
+        if len(strategies) != 1:
+            raise ValueError(f"a chain mixes strategies {sorted(strategies)}")
+        impl_by_name(strategies.pop()).advance(chain.records, model, optimizer, full.step)
     loop = chain.records[-1].loop if chain.records else full.loop
     if chain.records and chain.records[-1].buffers:
         _load_buffers(model, chain.records[-1].buffers)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ray_ckpt.format import records as rec_fmt
-from ray_ckpt.format.records import FullState, StepRecord
+from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 
 log = logging.getLogger("ray_ckpt")
@@ -54,15 +54,14 @@ class _Flush:
 
 
 class AsyncWriter:
-    def __init__(self, storage, generation: int, *, max_pending_bytes: int, write_retries: int = 3,
-                 strategy: str = "lowdiff", max_sparse_density: float = 0.5, info: dict | None = None,
+    def __init__(self, storage, generation: int, impl, *, max_pending_bytes: int, write_retries: int = 3,
+                 info: dict | None = None,
                  on_commit: Callable[[Manifest], None] | None = None):
         self.storage = storage
         self.generation = generation
         self.max_pending_bytes = max_pending_bytes
         self.write_retries = write_retries
-        self.strategy = strategy
-        self.max_sparse_density = max_sparse_density
+        self.impl = impl
         self.info = dict(info or {})
         self.on_commit = on_commit
         self.stats = WriterStats()
@@ -77,7 +76,8 @@ class AsyncWriter:
         self._thread.start()
 
     # -- training thread -------------------------------------------------------------------------------------
-    def submit(self, item: StepRecord | FullState, *, close_batch: bool = False) -> None:
+    def submit(self, item, *, close_batch: bool = False) -> None:
+        """Queue a diff record or a :class:`FullState` (training thread; may block for memory)."""
         size = item.nbytes
         with self._cv:
             self._raise_if_failed()
@@ -147,14 +147,14 @@ class AsyncWriter:
                 if isinstance(item, _Flush):
                     self._write_batch()
                     item.done.set()
-                elif isinstance(item, StepRecord):
-                    self._batch.append((item, size))
-                    if close_batch or self._pressure:
-                        self._write_batch()
                 elif isinstance(item, FullState):
                     self._write_batch()
                     self._write_full(item)
                     self._release(size)
+                else:  # a strategy's diff record
+                    self._batch.append((item, size))
+                    if close_batch or self._pressure:
+                        self._write_batch()
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 log.error("ray_ckpt writer failed: %s", e)
                 with self._cv:
@@ -180,10 +180,13 @@ class AsyncWriter:
         batch, self._batch = self._batch, []
         recs = [r for r, _ in batch]
         t0 = time.perf_counter()
-        bufs = rec_fmt.encode_steps(recs, max_density=self.max_sparse_density)
+        for r in recs:
+            rec_fmt.wait_ready(r)
+        bufs, info = self.impl.encode_diffs(recs)
         self.stats.encode_seconds += time.perf_counter() - t0
-        name = diff_name(self.generation, recs[0].step, recs[-1].step)
-        self._commit("diff", name, recs[0].step, recs[-1].step, bufs)
+        first = info.pop("first_step", recs[0].step)
+        name = diff_name(self.generation, first, recs[-1].step)
+        self._commit("diff", name, first, recs[-1].step, bufs, info)
         self.stats.steps_committed += len(recs)
         self._release(sum(s for _, s in batch))
 
@@ -193,7 +196,7 @@ class AsyncWriter:
         self.stats.encode_seconds += time.perf_counter() - t0
         self._commit("full", full_name(self.generation, state.step), state.step, state.step, bufs)
 
-    def _commit(self, kind: str, name: str, first: int, last: int, bufs: list) -> None:
+    def _commit(self, kind: str, name: str, first: int, last: int, bufs: list, info: dict | None = None) -> None:
         crc = 0
         nbytes = 0
         for b in bufs:
@@ -201,7 +204,8 @@ class AsyncWriter:
             nbytes += memoryview(b).nbytes
         okey = object_key(name)
         manifest = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
-                            object=okey, nbytes=nbytes, crc32=crc, strategy=self.strategy, info=self.info)
+                            object=okey, nbytes=nbytes, crc32=crc, strategy=self.impl.name,
+                            info={**self.info, **(info or {})})
         t0 = time.perf_counter()
         self._retry(lambda: self.storage.write(okey, bufs), okey)
         self._retry(lambda: self.storage.write(manifest.key, manifest.to_json()), manifest.key)

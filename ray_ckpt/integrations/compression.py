@@ -27,7 +27,6 @@ and the (few) elements above it are trimmed to exactly k. On CPU the hook keeps 
 (about 1.25x the bucket's bytes) because a fresh large allocation there costs page faults every step; on other
 devices temporaries come from the caching allocator and are freed after the hook.
 """
-from __future__ import annotations
 
 import functools
 import math
@@ -108,6 +107,7 @@ def select_topk(
     sample_size: int = DEFAULT_SAMPLE_SIZE,
     seed: int = 0,
     out: torch.Tensor | None = None,
+    mask_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sorted int64 flat indices of (about) the ``k`` largest magnitudes of ``x``; never more than ``k``.
 
@@ -121,10 +121,12 @@ def select_topk(
     of them. Whenever the candidates number at least ``k`` the result is therefore *identical* to the exact
     selection; if the estimate overshoots (rare), one more pass with a 4x wider margin tops up, after which the
     result may hold fewer than ``k`` indices. It also holds fewer when ``x`` has fewer than ``k`` non-zeros
-    (zeros are never selected then). Cost: two elementwise passes over ``x`` plus work on ``O(k)`` candidates.
+    (zeros are never selected then). NaN and inf are always candidates. Cost: a few elementwise passes over
+    ``x`` plus work on ``O(k)`` candidates, versus ``torch.topk`` over all of ``x`` for the exact mode.
 
-    ``out`` is an optional float scratch tensor of ``x.numel()`` elements (``x``'s dtype and device) that
-    receives ``|x|``; it saves an allocation per call (page faults on CPU).
+    ``out`` (``x``'s dtype) and ``mask_out`` (bool) are optional scratch tensors of ``x.numel()`` elements on
+    ``x``'s device that receive ``|x|`` and the candidate mask; they save two allocations per call (page faults
+    on CPU). ``x`` itself is never modified.
     """
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
@@ -134,30 +136,29 @@ def select_topk(
         return torch.empty(0, dtype=torch.int64, device=x.device)
     k = min(k, n)
     mag = torch.abs(flat, out=out.reshape(-1)) if out is not None else flat.abs()
+    mag.nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN ranks as the largest: AMP's overflow check still sees it
 
     if not sampled or n <= _EXACT_BELOW_FACTOR * sample_size:
-        mag = torch.nan_to_num_(mag, nan=math.inf, posinf=math.inf) if out is not None else _nan_to_inf(mag)
         return torch.nonzero(_topk_mask(mag, k)).squeeze(1)
 
     u = _sorted_uniform(sample_size, seed, flat.device)
-    sample_idx = (u * n).to(torch.int64).clamp_(max=n - 1)
-    sample_mag = _nan_to_inf(mag[sample_idx])
+    sample_mag = mag.index_select(0, (u * n).to(torch.int64).clamp_(max=n - 1))
     expected = sample_size * k / n  # sampled elements expected above the true k-th magnitude
     zero = torch.zeros((), dtype=mag.dtype, device=mag.device)
     floor = torch.nextafter(zero, zero + 1)  # smallest positive value: zeros are never selected
+    mask = mask_out.reshape(-1) if mask_out is not None else None
 
     candidates = None
     for sigmas in (3.0, 12.0):  # first pass; the second tops up after an (unlikely) undershoot
         rank_in_sample = min(sample_size, math.ceil(expected + sigmas * math.sqrt(expected) + 1.0))
         threshold = torch.topk(sample_mag, rank_in_sample, sorted=False).values.min()
         threshold = torch.maximum(threshold, floor)
-        # ~(mag < t) is (mag >= t) plus NaN: a NaN gradient stays visible
-        candidates = torch.nonzero(~(mag < threshold)).squeeze(1)
+        candidates = torch.nonzero(torch.ge(mag, threshold, out=mask) if mask is not None else mag >= threshold)
+        candidates = candidates.squeeze(1)
         if candidates.numel() >= k or bool(threshold <= floor):
             break
     if candidates.numel() > k:
-        keep = _topk_mask(_nan_to_inf(mag[candidates]), k)
-        candidates = candidates[keep]
+        candidates = candidates.masked_select(_topk_mask(mag.index_select(0, candidates), k))
     return candidates
 
 
@@ -280,7 +281,8 @@ class TopKState:
         self._lock = threading.Lock()
         # bucket index -> (layout key, tensor); the key detects DDP's bucket rebuild
         self._residuals: dict[int, tuple[tuple, torch.Tensor]] = {}
-        self._scratch: dict[int, tuple[tuple, torch.Tensor]] = {}
+        self._scratch: dict[int, tuple[tuple, torch.Tensor]] = {}  # CPU only: |acc| and the candidate mask
+        self._mask_scratch: dict[int, tuple[tuple, torch.Tensor]] = {}
 
     def k_for(self, numel: int) -> int:
         """Elements kept for a bucket of ``numel`` elements."""
@@ -292,11 +294,13 @@ class TopKState:
             entry = self._residuals.get(bucket_index)
         return None if entry is None else entry[1]
 
-    def _per_bucket(self, table: dict, index: int, key: tuple, like: torch.Tensor, zero: bool) -> torch.Tensor:
+    def _per_bucket(self, table: dict, index: int, key: tuple, like: torch.Tensor, zero: bool,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor shaped like ``like`` kept in ``table`` for bucket ``index``; replaced when ``key`` changed."""
         with self._lock:
             entry = table.get(index)
             if entry is None or entry[0] != key:
-                fresh = torch.zeros_like(like) if zero else torch.empty_like(like)
+                fresh = torch.zeros_like(like, dtype=dtype) if zero else torch.empty_like(like, dtype=dtype)
                 entry = (key, fresh)
                 table[index] = entry
         return entry[1]
@@ -329,13 +333,13 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     else:
         residual = None
         acc = flat
-    scratch = None
-    if flat.device.type == "cpu" and flat.is_floating_point():
-        scratch = state._per_bucket(state._scratch, index, key, flat, zero=False)
-    local = select_topk(
-        acc, k, sampled=state.sampled, sample_size=state.sample_size, seed=state.seed + rank, out=scratch
-    )
-    values = acc[local]
+    mag_scratch = mask_scratch = None
+    if flat.device.type == "cpu":  # a fresh large CPU allocation costs page faults on every step
+        mag_scratch = state._per_bucket(state._scratch, index, key, flat, zero=False)
+        mask_scratch = state._per_bucket(state._mask_scratch, index, key, flat, zero=False, dtype=torch.bool)
+    local = select_topk(acc, k, sampled=state.sampled, sample_size=state.sample_size, seed=state.seed + rank,
+                        out=mag_scratch, mask_out=mask_scratch)
+    values = acc.index_select(0, local)
     if residual is not None:
         residual.index_fill_(0, local, 0)  # what was sent is no longer owed
 

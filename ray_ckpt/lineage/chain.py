@@ -65,35 +65,57 @@ class Lineage:
         starts = [s for g in self._gens if g > gen for s in [self.start_of(g)] if s is not None]
         return min(starts) if starts else None
 
-    def _reach(self, gen: int) -> dict[int, tuple[Manifest, list[Manifest]]]:
-        """For every full of ``gen``: (full, the chain of diffs after it as far as contiguous)."""
+    def _chains(self, gen: int, target: int | None) -> dict[int, list[Manifest]]:
+        """For every full of ``gen``: the greedy chain of diffs after it, as far as contiguous.
+
+        A diff object whose manifest says ``info.atomic`` (e.g. a merged Amber increment) cannot be cut
+        inside its range: it is only used when ``target`` is None or ``>=`` its last step.
+        """
         ms = self._gens.get(gen, [])
-        diffs = sorted((m for m in ms if m.kind == "diff"), key=lambda m: (m.first_step, -m.last_step))
+        diffs = [m for m in ms if m.kind == "diff"
+                 and (target is None or not m.info.get("atomic") or m.last_step <= target)]
         out = {}
         for full in (m for m in ms if m.kind == "full"):
             chain: list[Manifest] = []
             nxt = full.last_step + 1
-            progressed = True
-            while progressed:
-                progressed = False
-                # the diff covering `nxt` that reaches furthest
-                best = None
+            while True:
+                best = None  # the diff covering `nxt` that reaches furthest
                 for d in diffs:
                     if d.first_step <= nxt <= d.last_step and (best is None or d.last_step > best.last_step):
                         best = d
-                if best is not None:
-                    chain.append(best)
-                    nxt = best.last_step + 1
-                    progressed = True
-            out[full.last_step] = (full, chain)
+                if best is None or (target is not None and nxt > target):
+                    break
+                chain.append(best)
+                nxt = best.last_step + 1
+            out[full.last_step] = chain
         return out
 
     def reachable_steps(self, gen: int) -> list[int]:
+        """Every step of ``gen`` that some full + contiguous diffs reproduce (capped by newer generations)."""
         cap = self._cap(gen)
+        ms = self._gens.get(gen, [])
+        diffs = [m for m in ms if m.kind == "diff"]
+        interest = {d.first_step for d in diffs} | {d.last_step + 1 for d in diffs}
         steps: set[int] = set()
-        for f, (full, chain) in self._reach(gen).items():
-            hi = chain[-1].last_step if chain else f
-            steps.update(range(f, hi + 1))
+        for full in (m for m in ms if m.kind == "full"):
+            f = full.last_step
+            steps.add(f)
+            todo, seen = [f + 1], {f + 1}
+            while todo:
+                p = todo.pop()
+                for d in diffs:
+                    if not d.first_step <= p <= d.last_step:
+                        continue
+                    if d.info.get("atomic"):
+                        steps.add(d.last_step)
+                        nxt = [d.last_step + 1]
+                    else:
+                        steps.update(range(p, d.last_step + 1))
+                        nxt = [q for q in interest if p < q <= d.last_step + 1]
+                    for q in nxt:
+                        if q not in seen:
+                            seen.add(q)
+                            todo.append(q)
         return sorted(s for s in steps if cap is None or s <= cap)
 
     def head(self) -> int | None:
@@ -128,11 +150,18 @@ class Lineage:
 
     def _plan(self, gen: int, step: int) -> Plan:
         best = None
-        for f, (full, chain) in self._reach(gen).items():
-            hi = chain[-1].last_step if chain else f
-            if f <= step <= hi and (best is None or f > best[0].last_step):
-                best = (full, chain)
-        assert best is not None
-        full, chain = best
-        used = tuple(d for d in chain if d.first_step <= step)
-        return Plan(step=step, generation=gen, full=full, diffs=used)
+        for f, chain in self._chains(gen, step).items():
+            if f > step:
+                continue
+            used = [d for d in chain if d.first_step <= step]
+            hi = used[-1].last_step if used else f
+            if hi >= step and (not used or not used[-1].info.get("atomic") or used[-1].last_step == step):
+                if best is None or f > best[0].last_step:
+                    best = (self._full(gen, f), used)
+        if best is None:
+            raise NoCheckpointError(f"step {step} of generation {gen} has no complete chain")
+        full, used = best
+        return Plan(step=step, generation=gen, full=full, diffs=tuple(used))
+
+    def _full(self, gen: int, step: int) -> Manifest:
+        return next(m for m in self._gens[gen] if m.kind == "full" and m.last_step == step)

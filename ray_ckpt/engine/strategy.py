@@ -1,0 +1,105 @@
+"""The seam between the engine and a checkpointing strategy (LowDiff, Amber, ...).
+
+A strategy implementation decides what a step's differential record is (capture), how a batch of records is
+encoded into one object (codec), and how records bring a full checkpoint forward to the target step
+(``advance``). Full checkpoints, the writer, the lineage, storage and the loop state are shared.
+
+Where each call runs:
+  ``make_capture``               training thread, once at attach
+  ``encode_diffs``               writer thread / persistence actor, once per diff object
+  ``decode_diffs`` / ``advance`` the restoring process
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from ray_ckpt.config import LowDiff
+from ray_ckpt.format import records as rec_fmt
+
+
+class StrategyImpl(Protocol):
+    name: str
+
+    def make_capture(self, model, optimizer, sink, policy, **kwargs) -> Any: ...
+
+    def encode_diffs(self, records: list) -> tuple[list, dict]:
+        """Container buffers of one diff object, and facts for its manifest's ``info`` (e.g. ``atomic``)."""
+
+    def decode_diffs(self, data, name: str) -> list: ...
+
+    def advance(self, records: list, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                full_step: int) -> None:
+        """Bring model/optimizer from the full checkpoint at ``full_step`` to ``records[-1].step``."""
+
+
+class LowDiffImpl:
+    """LowDiff: records are consumed gradients; ``advance`` replays them through the optimizer."""
+
+    name = "lowdiff"
+
+    def __init__(self, config: LowDiff):
+        self.config = config
+
+    def make_capture(self, model, optimizer, sink, policy, **kwargs):
+        from ray_ckpt.engine.capture import LowDiffCapture
+        return LowDiffCapture(model, optimizer, sink, policy, capture_buffers=self.config.capture_buffers,
+                              **kwargs)
+
+    def encode_diffs(self, records: list) -> tuple[list, dict]:
+        return rec_fmt.encode_steps(records, max_density=self.config.max_sparse_density), {}
+
+    def decode_diffs(self, data, name: str) -> list:
+        return rec_fmt.decode_steps(data, name)
+
+    def advance(self, records, model, optimizer, full_step: int) -> None:
+        from ray_ckpt.engine.capture import apply_group_values
+        steps = [r.step for r in records]
+        if steps != list(range(full_step + 1, full_step + 1 + len(records))):
+            raise ValueError(f"LowDiff replay needs every step after {full_step}; got {steps[:5]}...")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        try:
+            for rec in records:
+                if len(rec.grads) != len(params):
+                    raise ValueError(f"step {rec.step} recorded {len(rec.grads)} parameters, the optimizer has "
+                                     f"{len(params)}: restore into the same model and optimizer layout")
+                apply_group_values(optimizer, rec.hparams)
+                for p, g in zip(params, rec.grads):
+                    if g is None:
+                        p.grad = None
+                    elif tuple(p.shape) != g.shape:
+                        raise ValueError(f"step {rec.step}: gradient of shape {g.shape} for a parameter of "
+                                         f"shape {tuple(p.shape)}")
+                    else:
+                        p.grad = g.to_dense(p.device)
+                optimizer.step()
+        finally:
+            for p in params:
+                p.grad = None
+
+
+_REGISTRY: dict[str, Any] = {"lowdiff": (LowDiff, LowDiffImpl)}
+
+
+def register(name: str, config_cls: type, impl_cls: type) -> None:
+    """Make a strategy known to the engine (its config class and implementation)."""
+    _REGISTRY[name] = (config_cls, impl_cls)
+
+
+def impl_for(strategy: Any) -> StrategyImpl:
+    """The implementation for a strategy config object (``ray_ckpt.LowDiff()``, ``ray_ckpt.Amber()``...)."""
+    for config_cls, impl_cls in _REGISTRY.values():
+        if isinstance(strategy, config_cls):
+            return impl_cls(strategy)
+    known = ", ".join(c.__name__ for c, _ in _REGISTRY.values())
+    raise TypeError(f"strategy must be one of {known} (e.g. ray_ckpt.LowDiff()), got {type(strategy).__name__}")
+
+
+def impl_by_name(name: str) -> StrategyImpl:
+    """The implementation that decodes objects written with strategy ``name`` (default settings)."""
+    try:
+        config_cls, impl_cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"objects were written with strategy {name!r}, which this ray_ckpt does not know") from None
+    return impl_cls(config_cls())
