@@ -6,7 +6,6 @@ every scenario in them, saves what each rank saw, and the tests below compare th
 from __future__ import annotations
 
 import copy
-import math
 import os
 import tempfile
 from pathlib import Path

@@ -281,8 +281,8 @@ class TopKState:
         self._lock = threading.Lock()
         # bucket index -> (layout key, tensor); the key detects DDP's bucket rebuild
         self._residuals: dict[int, tuple[tuple, torch.Tensor]] = {}
-        self._scratch: dict[int, tuple[tuple, torch.Tensor]] = {}  # CPU only: |acc| and the candidate mask
-        self._mask_scratch: dict[int, tuple[tuple, torch.Tensor]] = {}
+        self._scratch: dict[int, tuple[tuple, torch.Tensor]] = {}  # CPU only: |acc| of the selection
+        self._mask_scratch: dict[int, tuple[tuple, torch.Tensor]] = {}  # CPU only: its candidate mask
 
     def k_for(self, numel: int) -> int:
         """Elements kept for a bucket of ``numel`` elements."""
@@ -305,6 +305,13 @@ class TopKState:
                 table[index] = entry
         return entry[1]
 
+    def _forget_after(self, last_index: int) -> None:
+        """Drop the tensors of buckets past the last one (DDP's rebuild may leave fewer buckets)."""
+        with self._lock:
+            for table in (self._residuals, self._scratch, self._mask_scratch):
+                for index in [i for i in table if i > last_index]:
+                    del table[index]
+
 
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: top-k sparsified, deterministic mean of the bucket over ``state.process_group``.
@@ -326,6 +333,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     index = bucket.index()
     layout = _bucket_layout(bucket, buffer)
     key = (n, flat.dtype, flat.device, tuple(id(p) for p, _, _, _ in layout))
+    if bucket.is_last():
+        state._forget_after(index)
 
     if state.error_feedback:
         residual = state._per_bucket(state._residuals, index, key, flat, zero=True)
