@@ -55,6 +55,9 @@ class CheckpointConfig:
     capture_rng: bool = True
     #: attempts per storage write before the writer reports an error
     write_retries: int = 3
+    #: runtime="ray": bytes each node's PersistenceWorker may hold in the object store (durable objects are
+    #: released oldest first beyond it; the newest full is kept)
+    memory_budget: int = 2 * _GiB
 
     def __post_init__(self):
         if self.full_every < 1:
@@ -63,6 +66,8 @@ class CheckpointConfig:
             raise ValueError(f"batch_steps must be >= 1, got {self.batch_steps}")
         if self.max_pending_bytes < 1 << 20:
             raise ValueError(f"max_pending_bytes must be at least 1 MiB, got {self.max_pending_bytes}")
+        if self.memory_budget < 1 << 20:
+            raise ValueError(f"memory_budget must be at least 1 MiB, got {self.memory_budget}")
         if self.write_retries < 1:
             raise ValueError(f"write_retries must be >= 1, got {self.write_retries}")
 

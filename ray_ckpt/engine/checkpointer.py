@@ -26,6 +26,10 @@ log = logging.getLogger("ray_ckpt")
 class Checkpointer:
     """Checkpoint every optimizer step of a training loop to ``uri``; attach once, then train as usual.
 
+    ``runtime="ray"`` hands captured steps to this node's PersistenceWorker actor (memory tier, peer replica,
+    durable writes) and registers them with the run's coordinator (``run`` names it; default: derived from
+    ``uri``); Ray must be initialized. ``runtime="local"`` writes from a thread of this process.
+
     Runs in the training process. Construction takes the first full checkpoint (step ``start_step``, by default
     the step a preceding :func:`restore` returned, else 0) and installs hooks on ``optimizer`` (and wraps
     ``scheduler.step``); from then on each ``optimizer.step()`` is captured (a copy at most) and written by a
@@ -39,14 +43,20 @@ class Checkpointer:
                  scheduler: Any = None, strategy: Any = None, full_every: int | None = None,
                  batch_steps: int | None = None, extra_state: Any = None, scaler: Any = None,
                  storage_options: dict | None = None, start_step: int | None = None,
-                 max_pending_bytes: int | None = None, capture_rng: bool | None = None):
+                 max_pending_bytes: int | None = None, capture_rng: bool | None = None,
+                 runtime: str = "local", run: str | None = None, memory_budget: int | None = None):
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         strategy = strategy if strategy is not None else LowDiff()
         impl = impl_for(strategy)
+        if runtime not in ("local", "ray"):
+            raise ValueError(f"runtime must be 'local' (a writer thread in this process) or 'ray' (persistence "
+                             f"actors), got {runtime!r}")
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
-                                               max_pending_bytes=max_pending_bytes, capture_rng=capture_rng)
+                                               max_pending_bytes=max_pending_bytes, capture_rng=capture_rng,
+                                               memory_budget=memory_budget)
+        self.runtime = runtime
         self.strategy = strategy
         self.uri = os.fspath(uri)
         self.storage = _storage.open_storage(self.uri, **(storage_options or {}))
@@ -54,14 +64,19 @@ class Checkpointer:
             start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
-        lineage, _ = load_lineage(self.storage, strict=False)
-        self.generation = lineage.next_generation()
         info = {"num_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
                 "optimizer": type(optimizer).__name__, "start_step": start_step}
-        self._writer = AsyncWriter(self.storage, self.generation, impl,
-                                   max_pending_bytes=self.config.max_pending_bytes,
-                                   write_retries=self.config.write_retries, info=info)
-        policy = FixedFrequencyPolicy(self.config.full_every, self.config.batch_steps)
+        if runtime == "local":
+            lineage, _ = load_lineage(self.storage, strict=False)
+            self.generation = lineage.next_generation()
+            self._writer = AsyncWriter(self.storage, self.generation, impl,
+                                       max_pending_bytes=self.config.max_pending_bytes,
+                                       write_retries=self.config.write_retries, info=info)
+            policy = FixedFrequencyPolicy(self.config.full_every, self.config.batch_steps)
+        else:
+            from ray_ckpt.runtime.client import attach_sink
+            self.run, self.generation, policy, self._writer = attach_sink(
+                self.storage, impl, run=run, config=self.config, info=info)
         self._capture = impl.make_capture(model, optimizer, self._writer, policy, start_step=start_step,
                                           scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                                           capture_rng=self.config.capture_rng)
@@ -127,19 +142,34 @@ class Checkpointer:
 
 def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
             step: int | None = None, extra_state: Any = None, scaler: Any = None,
-            storage_options: dict | None = None, fallback: bool = False, restore_rng: bool = True) -> int:
+            storage_options: dict | None = None, fallback: bool = False, restore_rng: bool = True,
+            runtime: str = "local", run: str | None = None) -> int:
     """Restore ``model``, ``optimizer`` (and scheduler, scaler, extra state, RNG) to ``step`` (None = latest
     committed) from ``uri``; returns the restored step. Runs in the calling (training) process.
 
     The result is what the training loop had right before its ``(step+1)``-th ``optimizer.step()``.
     With ``fallback=True`` a corrupt object or malformed manifest is logged and skipped, and the latest good
     step at or before the request is restored instead of raising.
+
+    ``runtime="ray"`` asks the run's coordinator for the plan and reads objects from the object store of live
+    nodes where they are held (memory tier), from storage otherwise; without a coordinator it reads storage.
     """
     t0 = time.perf_counter()
     model = _unwrap(model)
     check_not_attached(optimizer)
     storage = _storage.open_storage(os.fspath(uri), **(storage_options or {}))
-    chain = resolve_and_load(storage, step, fallback=fallback)
+    chain = None
+    if runtime == "ray":
+        from ray_ckpt.runtime.client import load_via_coordinator
+        got = load_via_coordinator(storage, step, run=run)
+        if got is not None:
+            chain, tiers = got
+            log.info("ray_ckpt: plan read %d objects from the memory tier, %d from storage", tiers["memory"],
+                     tiers["durable"])
+    elif runtime != "local":
+        raise ValueError(f"runtime must be 'local' or 'ray', got {runtime!r}")
+    if chain is None:
+        chain = resolve_and_load(storage, step, fallback=fallback)
     out = apply_chain(chain, model, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                       restore_rng=restore_rng)
     log.info("ray_ckpt: restored step %d (full %d + %d diffs) from %s in %.3f s", out, chain.full.step,

@@ -1,0 +1,232 @@
+"""Coordinator: the run's lineage across tiers, generations, the frequency policy, recovery plans and GC.
+
+One detached, named actor per run (``max_restarts=-1``, ``max_task_retries=-1``: calls made while it restarts
+wait for the new instance). It keeps, for every known object, its manifest, whether it is durable, and which
+live nodes hold it in their object store. Its state is derivable: a restarted coordinator rebuilds it from the
+committed manifests on storage and from the inventories of the live PersistenceWorkers, which keep buffering
+meanwhile.
+
+A step is **recoverable** when some chain reaching it consists of objects that are durable or held on a live
+node; it is **durable** when such a chain is on storage alone. Both heads are reported separately.
+
+All methods run in the coordinator actor and are called remotely (from training processes, workers, the
+driver-side callback, tests).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from ray_ckpt.engine.restore import load_lineage
+from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError
+from ray_ckpt.policy import FixedFrequencyPolicy
+from ray_ckpt.runtime import naming
+
+log = logging.getLogger("ray_ckpt")
+
+
+@dataclass
+class _Entry:
+    manifest: Manifest
+    durable: bool = False
+    holders: dict = field(default_factory=dict)  # node_id -> [ObjectRef]
+
+
+class Coordinator:
+    def __init__(self, run: str, storage, full_every: int, batch_steps: int):
+        self.run = run
+        self.storage = storage
+        self.policy = FixedFrequencyPolicy(full_every, batch_steps)
+        self.entries: dict[str, _Entry] = {}
+        self.failures: list[dict] = []
+        self._last_generation = 0
+        self.started_at = time.time()
+        self._rebuild()
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        lineage, bad = load_lineage(self.storage, strict=False)
+        for key in bad:
+            log.warning("ray_ckpt coordinator: ignoring malformed manifest %s", key)
+        for m in lineage.manifests:
+            self.entries[m.name] = _Entry(m, durable=True)
+        self._last_generation = max((m.generation for m in lineage.manifests), default=0)
+        for name in ray.util.list_named_actors(all_namespaces=True):
+            aname = name["name"] if isinstance(name, dict) else name
+            if not aname.startswith(naming.worker_prefix(self.run)):
+                continue
+            node = aname[len(naming.worker_prefix(self.run)):]
+            if node not in self._alive_nodes():
+                continue
+            try:
+                worker = ray.get_actor(aname, namespace=naming.NAMESPACE)
+                inv = ray.get(worker.inventory.remote(), timeout=30)
+            except Exception as e:  # noqa: BLE001
+                log.warning("ray_ckpt coordinator: worker %s did not answer: %s", aname, e)
+                continue
+            for mjson, refs, durable in inv:
+                self._add(Manifest.from_json(mjson), node, refs, durable)
+
+    def _add(self, m: Manifest, node: str | None, refs, durable: bool) -> None:
+        e = self.entries.get(m.name)
+        if e is None:
+            e = self.entries[m.name] = _Entry(m)
+        e.durable = e.durable or durable
+        if node is not None and refs:
+            e.holders[node] = refs
+        self._last_generation = max(self._last_generation, m.generation)
+
+    @staticmethod
+    def _alive_nodes() -> set[str]:
+        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+    def _lineage(self, durable_only: bool = False) -> Lineage:
+        alive = self._alive_nodes()
+        ms = [e.manifest for e in self.entries.values()
+              if e.durable or (not durable_only and any(n in alive for n in e.holders))]
+        return Lineage(ms)
+
+    # -- reports from workers ----------------------------------------------------------------------------------------
+    def report(self, manifest_json: bytes, node_id: str, refs: list, durable: bool) -> None:
+        self._add(Manifest.from_json(manifest_json), node_id, refs, durable)
+
+    def report_durable(self, manifest_json: bytes, covers: list[str]) -> None:
+        """An object was committed to storage; ``covers`` are the memory-tier objects it makes durable."""
+        m = Manifest.from_json(manifest_json)
+        self._add(m, None, None, True)
+        for n in covers:
+            if n in self.entries and n != m.name:
+                self.entries[n].durable = True  # its steps are durable (inside the batch object)
+
+    def release(self, node_id: str, names: list[str]) -> None:
+        for n in names:
+            e = self.entries.get(n)
+            if e is not None:
+                e.holders.pop(node_id, None)
+                if not e.holders and not e.durable:
+                    del self.entries[n]
+
+    def worker_started(self, node_id: str) -> None:
+        """A (re)started worker holds nothing: forget its old object references."""
+        self.drop_node(node_id)
+
+    def drop_node(self, node_id: str) -> list[str]:
+        """Forget what ``node_id`` held; returns names that are now neither durable nor held anywhere."""
+        lost = []
+        for name, e in list(self.entries.items()):
+            if e.holders.pop(node_id, None) is not None and not e.holders and not e.durable:
+                del self.entries[name]
+                lost.append(name)
+        return lost
+
+    # -- API for training processes and the driver ----------------------------------------------------------------
+    def new_generation(self) -> int:
+        self._last_generation += 1
+        return self._last_generation
+
+    def get_policy(self) -> FixedFrequencyPolicy:
+        return self.policy
+
+    def record_failure(self, info: dict) -> None:
+        self.failures.append({"time": time.time(), **info})
+
+    def plan(self, step: int | None = None) -> dict:
+        """The recovery plan for ``step`` (None = latest recoverable): the manifests to read, in order, and for
+        each the object references of live holders (memory tier; empty = read from durable storage)."""
+        alive = self._alive_nodes()
+        for e in self.entries.values():  # forget holders on dead nodes
+            for node in [n for n in e.holders if n not in alive]:
+                del e.holders[node]
+        try:
+            p = self._lineage().resolve(step)
+        except NoCheckpointError as err:
+            return {"error": str(err)}
+        sources = []
+        for m in p.objects:
+            e = self.entries[m.name]
+            sources.append({"manifest": m.to_json(), "durable": e.durable,
+                            "refs": [refs[0] for refs in e.holders.values()]})
+        return {"step": p.step, "generation": p.generation, "objects": sources}
+
+    def status(self) -> dict:
+        heads = {}
+        for key, durable_only in (("recoverable_step", False), ("durable_step", True)):
+            heads[key] = self._lineage(durable_only).head()
+        alive = self._alive_nodes()
+        return {**heads, "objects": len(self.entries),
+                "memory_objects": sum(1 for e in self.entries.values() if any(n in alive for n in e.holders)),
+                "replicated_objects": sum(1 for e in self.entries.values()
+                                          if sum(n in alive for n in e.holders) >= 2),
+                "generation": self._last_generation, "failures": len(self.failures),
+                "started_at": self.started_at}
+
+    def unpersisted(self) -> dict:
+        """``{node_id: [names]}``: objects not yet durable, by a live holder (to promote after a node loss)."""
+        alive = self._alive_nodes()
+        out: dict[str, list[str]] = {}
+        for name, e in self.entries.items():
+            if not e.durable:
+                live = sorted(n for n in e.holders if n in alive)
+                if live:
+                    out.setdefault(live[0], []).append(name)
+        return out
+
+    def gc(self, keep_fulls: int = 2) -> list[str]:
+        """Delete chains older than the ``keep_fulls`` newest full checkpoints of the current timeline, from
+        storage and from the memory tier. Returns the deleted object names."""
+        lin = self._lineage()
+        fulls = sorted((m for m in lin.manifests if m.kind == "full"),
+                       key=lambda m: (m.last_step, m.generation))
+        if len(fulls) <= keep_fulls:
+            return []
+        oldest_kept = fulls[-keep_fulls]
+        doomed = [e for e in self.entries.values()
+                  if e.manifest.last_step < oldest_kept.last_step
+                  and e.manifest.generation <= oldest_kept.generation]
+        deleted = []
+        for e in doomed:
+            m = e.manifest
+            if e.durable:
+                self.storage.delete(m.key)      # manifest first: the object is uncommitted from here on
+                self.storage.delete(m.object)
+            for node in list(e.holders):
+                try:
+                    ray.get_actor(naming.worker_name(self.run, node),
+                                  namespace=naming.NAMESPACE).release.remote([m.name])
+                except ValueError:
+                    pass
+            del self.entries[m.name]
+            deleted.append(m.name)
+        return deleted
+
+
+_remote_cls = None
+
+
+def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int):
+    """The run's coordinator (created detached if missing). Any process connected to Ray."""
+    global _remote_cls
+    name = naming.coordinator_name(run)
+    try:
+        return ray.get_actor(name, namespace=naming.NAMESPACE)
+    except ValueError:
+        pass
+    if _remote_cls is None:
+        _remote_cls = ray.remote(Coordinator)
+    return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
+                       max_restarts=-1, max_task_retries=-1, num_cpus=0).remote(run, storage, full_every,
+                                                                               batch_steps)
+
+
+def shutdown_run(run: str) -> None:
+    """Kill the run's coordinator and persistence workers (their memory tier is lost; storage stays)."""
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        aname = info["name"] if isinstance(info, dict) else info
+        if aname == naming.coordinator_name(run) or aname.startswith(naming.worker_prefix(run)):
+            try:
+                ray.kill(ray.get_actor(aname, namespace=naming.NAMESPACE), no_restart=True)
+            except ValueError:
+                pass

@@ -1,0 +1,39 @@
+"""Shared Ray fixtures: one local multi-node cluster per test session, isolated from any other Ray on the
+machine (own temp dir, own RAY_TMPDIR, address passed explicitly), always shut down."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A 2-node ``ray.cluster_utils.Cluster`` (head + one worker node, each with its own object store) with
+    this process connected as the driver. Yields the Cluster; tests may add/remove extra nodes themselves."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    os.makedirs(os.path.join(tmp, "ray"), exist_ok=True)
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "object_store_memory": 300 << 20, "temp_dir": os.path.join(tmp, "ray"),
+        "include_dashboard": False})
+    cluster.add_node(num_cpus=2, object_store_memory=300 << 20, resources={"node2": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="ray_ckpt_tests", log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
