@@ -21,6 +21,10 @@ def ray_cluster():
     old = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = tmp
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # inherited by every raylet/worker this fixture starts: test modules importable, fast Ray Train polls
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "object_store_memory": 300 << 20, "temp_dir": os.path.join(tmp, "ray"),
         "include_dashboard": False})

@@ -58,8 +58,8 @@ class Checkpointer:
                                                memory_budget=memory_budget)
         self.runtime = runtime
         self.strategy = strategy
-        self.uri = os.fspath(uri)
-        self.storage = _storage.open_storage(self.uri, **(storage_options or {}))
+        self.storage = open_uri(uri, storage_options)
+        self.uri = self.storage.describe()
         if start_step is None:
             start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)
         if start_step < 0:
@@ -157,7 +157,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     t0 = time.perf_counter()
     model = _unwrap(model)
     check_not_attached(optimizer)
-    storage = _storage.open_storage(os.fspath(uri), **(storage_options or {}))
+    storage = open_uri(uri, storage_options)
     chain = None
     if runtime == "ray":
         from ray_ckpt.runtime.client import load_via_coordinator
@@ -184,3 +184,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return model
+
+
+def open_uri(uri, storage_options: dict | None = None):
+    """A StorageBackend for a URI / path, or ``uri`` itself when it already is a backend."""
+    if callable(getattr(uri, "write", None)) and callable(getattr(uri, "read", None)):
+        if storage_options:
+            raise ValueError("storage_options apply to a URI, not to an opened storage backend")
+        return uri
+    return _storage.open_storage(os.fspath(uri), **(storage_options or {}))

@@ -127,6 +127,16 @@ class Coordinator:
         self._last_generation += 1
         return self._last_generation
 
+    def set_storage(self, storage) -> None:
+        """Adopt the storage named by the driver-side callback (same root: a no-op after a restart)."""
+        if storage.describe() != self.storage.describe():
+            raise ValueError(f"run {self.run!r} already checkpoints to {self.storage.describe()}, "
+                             f"not {storage.describe()}: use another run name")
+        self.storage = storage
+
+    def get_storage(self):
+        return self.storage
+
     def get_policy(self) -> FixedFrequencyPolicy:
         return self.policy
 

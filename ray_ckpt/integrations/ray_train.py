@@ -1,0 +1,273 @@
+"""Ray Train integration: ``attach`` (worker side) and ``RayCkptCallback`` (controller side).
+
+Tested with Ray 2.60 (Train V2); ``pyproject.toml`` pins ``ray[train]>=2.60,<2.61`` because the callback uses
+Ray Train's developer API ``ControllerCallback``. Hooks used, and where they run:
+
+=========================================================  ====================================================
+``ControllerCallback.after_controller_start``              controller actor: create the run's coordinator
+``ControllerCallback.before_controller_execute_failure_decision``  controller: record the failure, persist the
+                                                           replicas of objects whose node was lost
+``ControllerCallback.before_controller_execute_resize_decision``   controller: record the resize (elastic)
+``ControllerCallback.after_controller_finish``             controller: flush every persistence worker, then
+                                                           (unless ``keep_runtime``) stop the run's actors
+``ray.train.report`` (from ``attach``'s step hook)          every worker, every ``report_every`` steps: a tiny
+                                                           *pointer* checkpoint naming the lineage head
+=========================================================  ====================================================
+
+Per-step state never goes through ``ray.train.report`` (it commits only at the controller's polls); it goes
+through the Ray runtime (PersistenceWorker actors + coordinator).
+
+Every failure or resize restarts the whole worker group; each new worker calls :func:`attach` again, which
+restores the latest recoverable step (from the memory tier where possible) into the user's objects, on every
+rank, and tells the loop where to resume (``session.start_step``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+from ray.train.v2._internal.execution.callback import ControllerCallback
+
+from ray_ckpt import storage as _storage
+from ray_ckpt.config import CheckpointConfig
+from ray_ckpt.engine.checkpointer import Checkpointer, restore
+from ray_ckpt.lineage import NoCheckpointError
+from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
+
+log = logging.getLogger("ray_ckpt")
+
+POINTER_FILE = "ray_ckpt_pointer.json"
+
+
+class RayCkptCallback(ControllerCallback):
+    """Driver-side half of the integration: ``RunConfig(callbacks=[RayCkptCallback("s3://bucket/run")])``.
+
+    Created on the driver, pickled to the Ray Train controller actor, where its hooks run (see the module
+    docstring). ``storage_uri``/``storage_options`` name the lineage's storage; ``full_every``/``batch_steps``
+    the frequency policy the coordinator hands to the workers; ``keep_runtime=True`` leaves the coordinator
+    and persistence workers alive after the run (to restore from their memory tier later).
+    """
+
+    def __init__(self, storage_uri: str | os.PathLike, *, storage_options: dict | None = None,
+                 full_every: int | None = None, batch_steps: int | None = None, keep_runtime: bool = False,
+                 run: str | None = None):
+        self.storage_uri = os.fspath(storage_uri)
+        self.storage_options = dict(storage_options or {})
+        self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps)
+        self.keep_runtime = keep_runtime
+        self.run = run
+        _storage.open_storage(self.storage_uri, **self.storage_options)  # fail fast on a bad URI, on the driver
+        self.failures = 0
+
+    # -- controller side ---------------------------------------------------------------------------------------
+    def after_controller_start(self, train_run_context) -> None:
+        run = self.run or train_run_context.run_config.name
+        self.run = run
+        storage = _storage.open_storage(self.storage_uri, **self.storage_options)
+        coord = get_or_create_coordinator(run, storage, full_every=self.config.full_every,
+                                          batch_steps=self.config.batch_steps)
+        ray.get(coord.set_storage.remote(storage))
+        log.info("ray_ckpt: run %r checkpoints to %s", run, storage.describe())
+
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+        self.failures += 1
+        coord = self._coord()
+        if coord is None:
+            return
+        try:
+            coord.record_failure.remote({"decision": str(failure_decision), "failures": self.failures})
+            persist_orphans(self.run, coord)
+        except Exception as e:  # noqa: BLE001 - never break Ray Train's failure handling
+            log.warning("ray_ckpt: could not record the failure: %s", e)
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        coord = self._coord()
+        if coord is not None:
+            coord.record_failure.remote({"resize": getattr(resize_decision, "num_workers", None)})
+
+    def after_controller_finish(self, result) -> None:
+        if self.run is None:
+            return
+        try:
+            flush_run(self.run)
+        finally:
+            if not self.keep_runtime:
+                shutdown_run(self.run)
+
+    def _coord(self):
+        try:
+            return ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
+        except (ValueError, TypeError):
+            return None
+
+
+def flush_run(run: str, timeout: float = 300.0) -> None:
+    """Wait until every persistence worker of ``run`` has made what it holds durable. Any process."""
+    workers = [ray.get_actor(a["name"], namespace=naming.NAMESPACE)
+               for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith(naming.worker_prefix(run))]
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    calls = [w.flush.remote() for w in workers]
+    done, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+    for c in done:
+        try:
+            ray.get(c)
+        except Exception as e:  # noqa: BLE001 - a worker of a dead node
+            log.warning("ray_ckpt: a persistence worker could not flush: %s", e)
+    del alive
+
+
+def persist_orphans(run: str, coord) -> list[str]:
+    """After a node loss: ask live holders to persist objects that exist only in memory. Any process."""
+    todo = ray.get(coord.unpersisted.remote(), timeout=60)
+    written = []
+    for node, names in todo.items():
+        try:
+            w = ray.get_actor(naming.worker_name(run, node), namespace=naming.NAMESPACE)
+            written += ray.get(w.persist.remote(names), timeout=300)
+        except Exception as e:  # noqa: BLE001
+            log.warning("ray_ckpt: node %s could not persist %d objects: %s", node[:8], len(names), e)
+    return written
+
+
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class TrainSession:
+    """What :func:`attach` returns to the training loop (one per worker process)."""
+
+    start_step: int                     #: the step to resume from (0 on a fresh run)
+    restored: bool                      #: True when state was restored from the lineage
+    run: str
+    storage_uri: str
+    world_rank: int
+    checkpointer: Checkpointer | None   #: rank 0 only: captures every optimizer step
+    restore_seconds: float = 0.0
+    _hooks: list = field(default_factory=list)
+    _closed: bool = False
+
+    def close(self, timeout: float | None = None) -> None:
+        """End of training: make every captured step durable and detach. Call on every rank."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        if self.checkpointer is not None:
+            self.checkpointer.close(timeout)
+
+    def __enter__(self) -> "TrainSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+           strategy: Any = None, extra_state: Any = None, scaler: Any = None,
+           storage_uri: str | os.PathLike | None = None, storage_options: dict | None = None,
+           run: str | None = None, report_every: int | None = None, full_every: int | None = None,
+           batch_steps: int | None = None) -> TrainSession:
+    """Attach ray_ckpt inside ``train_loop_per_worker``; call on every worker after building (and wrapping)
+    the model and optimizer. Runs in the Ray Train worker process.
+
+    On a fresh run it returns ``start_step == 0``. When the run already has a lineage (Ray Train restarted the
+    worker group after a failure or resize, or the whole driver was restarted with the same run name), every
+    rank restores model, optimizer, scheduler, scaler and extra state to the latest recoverable step and
+    ``start_step`` is that step: the loop continues with its ``(start_step+1)``-th optimizer step.
+    World rank 0 then captures every optimizer step; every rank reports a pointer checkpoint every
+    ``report_every`` steps (default: ``full_every``; 0 disables) so ``Result.checkpoint`` names the lineage head.
+
+    The storage comes from :class:`RayCkptCallback` (via the run's coordinator) unless ``storage_uri`` is given.
+    The RNG state restored on every rank is world rank 0's; seed per step and rank for exact dropout.
+    """
+    ctx = ray.train.get_context()
+    run = run or ctx.get_experiment_name()
+    rank = ctx.get_world_rank()
+    storage = _resolve_storage(run, storage_uri, storage_options)
+    config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps)
+    coord = get_or_create_coordinator(run, storage, full_every=config.full_every,
+                                      batch_steps=config.batch_steps)
+    policy = ray.get(coord.get_policy.remote())
+    t0 = time.perf_counter()
+    try:
+        start = restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state, scaler=scaler,
+                        runtime="ray", run=run)
+        restored = True
+    except NoCheckpointError:
+        start, restored = 0, False
+    restore_seconds = time.perf_counter() - t0
+    if restored:
+        log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, restore_seconds)
+    ck = None
+    if rank == 0:
+        ck = Checkpointer(storage, model, optimizer, scheduler=scheduler,
+                          strategy=strategy, extra_state=extra_state, scaler=scaler,
+                          start_step=start, runtime="ray", run=run,
+                          full_every=policy.full_every, batch_steps=policy.batch_steps)
+    session = TrainSession(start_step=start, restored=restored, run=run,
+                           storage_uri=storage.describe(), world_rank=rank, checkpointer=ck,
+                           restore_seconds=restore_seconds)
+    every = policy.full_every if report_every is None else report_every
+    if every:
+        session._hooks.append(_install_pointer_reports(optimizer, session, start, every))
+    return session
+
+
+def _resolve_storage(run: str, storage_uri, storage_options):
+    if storage_uri is not None:
+        return _storage.open_storage(os.fspath(storage_uri), **(storage_options or {}))
+    try:
+        coord = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
+    except ValueError:
+        coord = None
+    if coord is not None:
+        storage = ray.get(coord.get_storage.remote())
+        if storage is not None:
+            return storage
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            p = os.path.join(d, POINTER_FILE)
+            if os.path.exists(p):
+                with open(p) as f:
+                    return _storage.open_storage(json.load(f)["storage_uri"], **(storage_options or {}))
+    raise ValueError("ray_ckpt.train.attach needs a storage: add RayCkptCallback(storage_uri) to "
+                     "RunConfig(callbacks=...) or pass storage_uri=")
+
+
+def _install_pointer_reports(optimizer, session: TrainSession, start: int, every: int):
+    counter = {"step": start}
+
+    def hook(opt, args, kwargs):
+        counter["step"] += 1
+        step = counter["step"]
+        if step % every:
+            return
+        metrics = {"ray_ckpt_step": step}
+        if session.world_rank == 0:
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, POINTER_FILE), "w") as f:
+                    json.dump({"storage_uri": session.storage_uri, "run": session.run, "step": step}, f)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        else:
+            ray.train.report(metrics)
+
+    return optimizer.register_step_post_hook(hook)
+
+
+def read_pointer(checkpoint) -> dict:
+    """The pointer in a Ray Train checkpoint reported by :func:`attach` (``Result.checkpoint``). Any process."""
+    with checkpoint.as_directory() as d:
+        with open(os.path.join(d, POINTER_FILE)) as f:
+            return json.load(f)
+
+
+__all__ = ["RayCkptCallback", "TrainSession", "attach", "read_pointer", "flush_run"]
