@@ -105,9 +105,11 @@ def as_buffers(data: Data) -> list[memoryview]:
     if isinstance(data, str):
         raise TypeError("storage data must be bytes-like or a sequence of bytes-like objects, not str")
     try:
-        return [_flat(data)]
+        view = memoryview(data)
     except TypeError:
-        pass
+        view = None
+    if view is not None:
+        return [_flat(view)]
     if not isinstance(data, Sequence):
         raise TypeError(
             f"storage data must be bytes-like or a sequence of bytes-like objects, not {type(data).__name__}"

@@ -1,0 +1,237 @@
+"""S3 backend on ``pyarrow.fs.S3FileSystem``: ``s3://bucket/prefix``.
+
+Write path: one ``open_output_stream`` per object (with ``allow_delayed_open=True`` by default, an object
+under 10 MiB is a single PUT; larger ones are a multipart upload, completed only by a successful close).
+Both are atomic on S3: readers see no object, the old object, or the whole new one.
+
+Two pyarrow traps this module works around (checked with pyarrow 26):
+
+* ``open_output_stream`` defaults to ``compression="detect"``: a key ending in ``.gz``/``.zst`` would be
+  compressed on write, and ``open_input_file`` does not decompress on read. We always pass ``compression=None``.
+* pyarrow's S3 output stream has no Python ``abort()``, and its C++ destructor *closes* (commits) the upload.
+  A stream dropped after a partial write (exception, KeyboardInterrupt from ``ray.cancel``) would publish a
+  truncated object over the old one. On any failure before a successful close we therefore *abandon* the
+  stream (its destructor never runs, the upload is never completed): the same outcome as a writer killed
+  mid-write. Incomplete multipart uploads left behind are billed until a bucket lifecycle rule
+  (``AbortIncompleteMultipartUpload``) removes them. With ``background_writes=False`` a failed part could be
+  skipped by a later close, so that option is refused.
+
+Reads use ``open_input_file`` (a HEAD, then one ranged GET for the whole object): ``open_input_stream``
+is ~100x slower against S3 (many small range requests). The HEAD/GET pair is not atomic against a
+concurrent overwrite (the GET may serve the new version cut to the old size), so ``read`` confirms
+ETag and Last-Modified with a second HEAD: 3 requests per read (see ``S3Backend.read``).
+
+Runs in any process; thread-safe (``S3FileSystem`` is thread-safe; no other shared state). Picklable:
+rebuilt from bucket, prefix and the resolved options (secrets included, so a copy shipped to a Ray actor
+can connect; ``uri`` and ``describe()`` never show them).
+"""
+from __future__ import annotations
+
+import ctypes
+import random
+import time
+from urllib.parse import quote, urlencode
+
+import pyarrow.fs as pafs
+
+from .base import TMP_PREFIX, Data, ObjectNotFound, StorageError, as_buffers, validate_key, validate_prefix
+
+#: Options shown by ``describe()`` (enough to reopen the same endpoint, given credentials).
+_DESCRIBED_OPTIONS = ("endpoint_override", "scheme", "region")
+#: Our defaults on top of pyarrow's (an explicit option, query parameter or env setting wins).
+DEFAULT_OPTIONS = {"allow_delayed_open": True}
+
+
+def _abandon(stream) -> None:
+    """Leak ``stream`` on purpose so its C++ destructor (which would commit the upload) never runs."""
+    try:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(stream))
+    except Exception:  # not CPython: keep a reference for the life of the process instead
+        _ABANDONED.append(stream)
+
+
+_ABANDONED: list = []
+#: Reads of an object that keeps being overwritten are retried this many times.
+_READ_ATTEMPTS = 8
+
+
+def _version(f) -> tuple | None:
+    """(ETag, Last-Modified) from the HEAD that opened ``f``, or ``None`` if the server sends no ETag."""
+    meta = f.metadata()
+    etag = meta.get("ETag")
+    return (etag, meta.get("Last-Modified")) if etag else None
+
+
+class S3Backend:
+    """Objects under ``s3://<bucket>/<prefix>/``; keys map to ``<prefix>/<key>``.
+
+    Built by :func:`ray_ckpt.storage.open_storage`, which resolves ``options`` (keyword > URI query > env).
+    """
+
+    def __init__(self, bucket: str, prefix: str, options: dict, uri: str | None = None):
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.options = dict(options)
+        if self.options.get("background_writes") is False:
+            raise StorageError(
+                "S3 option background_writes=False is not supported: pyarrow's synchronous upload path can "
+                "complete a multipart upload with a failed part missing"
+            )
+        self._root = f"{bucket}/{self.prefix}" if self.prefix else bucket
+        #: Root without query: full key URIs are ``base_uri + "/" + key``.
+        self.base_uri = f"s3://{bucket}" + (f"/{quote(self.prefix, safe='/')}" if self.prefix else "")
+        #: The root URI it was opened with, credentials removed.
+        self.uri = uri or self.base_uri
+        self._fs = self._make_fs()
+
+    def _make_fs(self) -> pafs.S3FileSystem:
+        kwargs = {**DEFAULT_OPTIONS, **self.options}
+        try:
+            return pafs.S3FileSystem(**kwargs)
+        except TypeError as e:
+            raise StorageError(f"unsupported S3 option for {self.uri}: {e}") from e
+        except (ValueError, OSError) as e:  # ArrowInvalid is a ValueError
+            raise StorageError(f"invalid S3 options for {self.uri}: {e}") from e
+
+    # ---- pickling -------------------------------------------------------------------------------------
+    def __reduce__(self):
+        return (S3Backend, (self.bucket, self.prefix, self.options, self.uri))
+
+    def __repr__(self) -> str:
+        return f"S3Backend({self.describe()!r})"
+
+    def describe(self) -> str:
+        """Root URI plus the connection options needed to reach it (endpoint, scheme, region), no secrets.
+
+        Runs anywhere. The result is a URI that :func:`open_storage` accepts (credentials then come from
+        keyword options or the environment).
+        """
+        shown = {k: self.options[k] for k in _DESCRIBED_OPTIONS if self.options.get(k) not in (None, "")}
+        return self.base_uri + ("?" + urlencode(shown, safe=":/") if shown else "")
+
+    # ---- helpers --------------------------------------------------------------------------------------
+    def key_uri(self, key: str) -> str:
+        """Full URI of ``key`` (for messages)."""
+        return f"{self.base_uri}/{quote(key, safe='/')}"
+
+    def _path(self, key: str) -> str:
+        return f"{self._root}/{validate_key(key)}"
+
+    # ---- protocol -------------------------------------------------------------------------------------
+    def write(self, key: str, data: Data) -> None:
+        """Atomically store ``data`` at ``key``: one PUT, or a multipart upload completed only on success.
+
+        Runs in any process; thread-safe. Concurrent writers of one key: the last completed upload wins, whole.
+        """
+        path = self._path(key)
+        buffers = as_buffers(data)  # before opening: a bad element must not leave a partial upload
+        try:
+            out = self._fs.open_output_stream(path, compression=None)
+        except OSError as e:
+            raise StorageError(f"cannot write {self.key_uri(key)}: {e}") from e
+        done = False
+        try:
+            for buf in buffers:
+                out.write(buf)
+            out.close()  # completes the upload: the object appears here, whole
+            done = True
+        except OSError as e:
+            raise StorageError(f"cannot write {self.key_uri(key)}: {e}") from e
+        finally:
+            if not done:
+                _abandon(out)
+
+    def read(self, key: str) -> bytes:
+        """Return the whole object, one version of it. Runs in any process; thread-safe.
+
+        ``open_input_file`` sizes the read with a HEAD and then GETs that byte range; an overwrite in
+        between would yield the new version cut to the old length (a torn read). So the ETag and
+        Last-Modified of that HEAD are checked against a second HEAD after the GET (one extra request),
+        retrying with a short backoff; a key rewritten faster than it can be read raises
+        :class:`StorageError` ("changed during each of N reads") rather than return torn bytes.
+        Not caught: the object is overwritten and then rewritten with the *same* bytes within the same
+        second, all during one read (keys here are written once, or rewritten with identical bytes by a
+        retry, which cannot tear).
+        """
+        path = self._path(key)
+        try:
+            for attempt in range(_READ_ATTEMPTS):
+                if attempt:
+                    time.sleep(random.uniform(0.5, 1.0) * min(0.2, 0.005 * 2**attempt))
+                with self._fs.open_input_file(path) as f:
+                    version = _version(f)
+                    size = f.size()
+                    data = f.read()
+                if len(data) != size:
+                    continue
+                if version is None:  # an S3 implementation without ETags: nothing to check against
+                    return data
+                with self._fs.open_input_file(path) as f:
+                    if _version(f) == version:
+                        return data
+        except FileNotFoundError as e:
+            raise ObjectNotFound(f"no object at {self.key_uri(key)}") from e
+        except OSError as e:
+            raise StorageError(f"cannot read {self.key_uri(key)}: {e}") from e
+        raise StorageError(f"cannot read {self.key_uri(key)}: it changed during each of {_READ_ATTEMPTS} reads")
+
+    def _info(self, key: str, action: str) -> pafs.FileInfo:
+        path = self._path(key)
+        try:
+            return self._fs.get_file_info(path)
+        except OSError as e:
+            raise StorageError(f"cannot {action} {self.key_uri(key)}: {e}") from e
+
+    def size(self, key: str) -> int:
+        """Size in bytes of the object. Runs in any process; thread-safe."""
+        info = self._info(key, "stat")
+        if info.type != pafs.FileType.File:
+            raise ObjectNotFound(f"no object at {self.key_uri(key)}")
+        return info.size
+
+    def exists(self, key: str) -> bool:
+        """Whether the object exists (a folder-like prefix is not an object). Runs in any process; thread-safe."""
+        return self._info(key, "stat").type == pafs.FileType.File
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys starting with ``prefix``, recursive, sorted; skips folder markers and invalid names.
+
+        Runs in any process; thread-safe.
+        """
+        validate_prefix(prefix)
+        base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = f"{self._root}/{base_rel}" if base_rel else self._root
+        try:
+            infos = self._fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise StorageError(f"cannot list {self.base_uri}/{prefix}: {e}") from e
+        cut = len(self._root) + 1
+        keys = []
+        for info in infos:
+            if info.type != pafs.FileType.File:
+                continue
+            key = info.path[cut:]
+            if not key.startswith(prefix) or any(s.startswith(TMP_PREFIX) for s in key.split("/")):
+                continue
+            try:
+                validate_key(key)
+            except StorageError:
+                continue
+            keys.append(key)
+        keys.sort()
+        return keys
+
+    def delete(self, key: str) -> None:
+        """Remove the object; a missing one is not an error. Runs in any process; thread-safe.
+
+        pyarrow then re-creates an empty ``<parent>/`` folder marker object; ``list()`` ignores it.
+        """
+        path = self._path(key)
+        try:
+            self._fs.delete_file(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(f"cannot delete {self.key_uri(key)}: {e}") from e
