@@ -50,7 +50,8 @@ def test_sigkilled_worker_resumes_bit_exact(tmp_path, reference):
     out = tmp_path / "out"
     out.mkdir()
     result = _fit(tmp_path, f"kill-{uuid.uuid4().hex[:6]}",
-                  {"kind": "mlp", "steps": STEPS, "out": str(out), "kill_at": 17})
+                  {"kind": "mlp", "steps": STEPS, "out": str(out), "kill_at": 17,
+                   "step_sleep": 0.1})  # ~0.1 s steps: the hand-off (ms) is far below a step, as in real jobs
     assert result.error is None
     starts = sorted((_load(p) for p in glob.glob(str(out / "start-*.pt"))), key=lambda d: d["step"])
     assert [d["restored"] for d in starts] == [False, True]
@@ -61,3 +62,80 @@ def test_sigkilled_worker_resumes_bit_exact(tmp_path, reference):
     T.assert_same(reference[STEPS], final["state"], "final state after the failure")
     pointer = ray_ckpt.train.read_pointer(result.checkpoint)
     assert pointer["step"] == STEPS and pointer["storage_uri"].endswith("ckpt")
+
+
+def _progress(out):
+    import json
+    try:
+        return json.loads((out / "progress.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {"step": 0, "world": 0}
+
+
+def test_node_removed_elastic_run_continues_from_exact_step(tmp_path, reference, ray_cluster):  # noqa: F811
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    nodes = [ray_cluster.add_node(num_cpus=1, object_store_memory=150 << 20, resources={"elastic": 1})
+             for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    out = tmp_path / "out"
+    out.mkdir()
+    removed = {}
+
+    def remove_when_running():
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            p = _progress(out)
+            if p["step"] >= 12 and p["world"] == 2:
+                removed["at"] = p["step"]
+                ray_cluster.remove_node(nodes[1])
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=remove_when_running, daemon=True)
+    t.start()
+    trainer = TorchTrainer(
+        train_loop, train_loop_config={"kind": "mlp", "steps": STEPS, "out": str(out), "step_sleep": 0.1},
+        scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1, "elastic": 1}),
+        run_config=RunConfig(name=f"elastic-{uuid.uuid4().hex[:6]}", storage_path=str(tmp_path / "rt"),
+                             failure_config=FailureConfig(max_failures=3),
+                             callbacks=[ray_ckpt.train.RayCkptCallback(tmp_path / "ckpt", full_every=10,
+                                                                       batch_steps=4)]))
+    result = trainer.fit()
+    t.join(timeout=5)
+    ray_cluster.remove_node(nodes[0])
+    assert result.error is None and "at" in removed
+    starts = sorted((_load(p) for p in glob.glob(str(out / "start-*.pt"))), key=lambda d: d["step"])
+    resumed = [d for d in starts if d["restored"]]
+    assert resumed and resumed[0]["world"] == 1  # continued on the remaining node
+    step = resumed[0]["step"]
+    assert removed["at"] - 2 <= step <= removed["at"]
+    T.assert_same(reference[step], resumed[0]["state"], f"elastic resume at step {step}")
+    final = _load(glob.glob(str(out / "final-*.pt"))[0])
+    assert final["step"] == STEPS and final["world"] == 1
+
+
+def test_restarted_driver_resumes_from_lineage(tmp_path, reference, ray_cluster):  # noqa: F811
+    import signal
+    import subprocess
+    import sys
+    name = f"driver-{uuid.uuid4().hex[:6]}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "tests._driver", ray_cluster.address, str(tmp_path), name, str(STEPS)]
+    first = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = tmp_path / "out"
+    deadline = time.time() + 300
+    while time.time() < deadline and _progress(out)["step"] < 12:
+        time.sleep(0.05)
+    seen = _progress(out)["step"]
+    first.send_signal(signal.SIGKILL)  # the whole driver dies; detached coordinator + workers survive
+    first.wait()
+    assert seen >= 12
+    second = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert "DONE None" in second.stdout, second.stdout[-3000:]
+    starts = sorted((_load(p) for p in glob.glob(str(out / "start-*.pt"))), key=lambda d: d["step"])
+    resumed = [d for d in starts if d["restored"]]
+    assert len(resumed) == 1 and seen - 2 <= resumed[0]["step"] <= seen + 1
+    T.assert_same(reference[resumed[0]["step"]], resumed[0]["state"], "after driver restart")
+    final = _load(glob.glob(str(out / "final-*.pt"))[0])
+    T.assert_same(reference[STEPS], final["state"], "final state after driver restart")

@@ -83,6 +83,8 @@ class Checkpointer:
         self._closed = False
         try:
             self._writer.submit(self._capture.snapshot_now())
+            if runtime == "ray":  # recoverable from the moment attach returns (and the worker is warm)
+                self._writer.flush()
         except BaseException:
             self._capture.detach()
             self._writer.close()

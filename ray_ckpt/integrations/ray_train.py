@@ -91,7 +91,7 @@ class RayCkptCallback(ControllerCallback):
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
         coord = self._coord()
         if coord is not None:
-            coord.record_failure.remote({"resize": getattr(resize_decision, "num_workers", None)})
+            coord.record_event.remote({"resize": getattr(resize_decision, "num_workers", None)})
 
     def after_controller_finish(self, result) -> None:
         if self.run is None:
@@ -201,7 +201,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
         start = restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state, scaler=scaler,
                         runtime="ray", run=run)
         restored = True
-    except NoCheckpointError:
+    except NoCheckpointError as e:
+        log.info("ray_ckpt: run %r starts from scratch (%s)", run, e)
         start, restored = 0, False
     restore_seconds = time.perf_counter() - t0
     if restored:

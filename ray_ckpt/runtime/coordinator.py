@@ -42,6 +42,7 @@ class Coordinator:
         self.policy = FixedFrequencyPolicy(full_every, batch_steps)
         self.entries: dict[str, _Entry] = {}
         self.failures: list[dict] = []
+        self.events: list[dict] = []
         self._last_generation = 0
         self.started_at = time.time()
         self._rebuild()
@@ -141,7 +142,12 @@ class Coordinator:
         return self.policy
 
     def record_failure(self, info: dict) -> None:
+        """A worker-group failure (from the Ray Train callback): input for adaptive policies."""
         self.failures.append({"time": time.time(), **info})
+
+    def record_event(self, info: dict) -> None:
+        """Other run events (resizes...), kept for status and policies."""
+        self.events.append({"time": time.time(), **info})
 
     def plan(self, step: int | None = None) -> dict:
         """The recovery plan for ``step`` (None = latest recoverable): the manifests to read, in order, and for

@@ -53,6 +53,7 @@ class RaySink:
         self.submit_retries = submit_retries
         self.node_id = ray.get_runtime_context().get_node_id()
         self.worker = get_or_create_worker(run, self.node_id, storage, memory_budget)
+        ray.get(self.worker.ping.remote())  # started and ready before the first step is handed over
         self.stats = WriterStats()
         self.handoff_seconds = 0.0  # sender-thread time to encode and hand objects to the worker
         self._cv = threading.Condition()
