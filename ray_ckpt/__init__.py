@@ -3,17 +3,19 @@
 Public API (everything else is private and may change):
 
 * :class:`Checkpointer` / :func:`restore` — attach to a training loop / recover (training process);
-* :class:`LowDiff` — the strategy (gradient reuse), :class:`CheckpointConfig` — the knobs;
+* :class:`LowDiff` — the strategy (gradient reuse), :class:`Amber` — selective incremental checkpoints
+  (error-bounded or lossless), :class:`CheckpointConfig` — the knobs;
 * :mod:`ray_ckpt.compression` — DDP communication hooks (top-k, int8) whose output LowDiff reuses;
 * errors: :class:`CorruptObjectError`, :class:`NoCheckpointError`, :class:`ManifestError`, :class:`WriterError`.
 """
-from ray_ckpt.config import CheckpointConfig, LowDiff
-from ray_ckpt.engine.checkpointer import Checkpointer, restore
+from ray_ckpt.config import Amber, CheckpointConfig, LowDiff
+from ray_ckpt.api import Checkpointer, restore
+from ray_ckpt.engine import amber as _amber  # noqa: F401  (registers the Amber strategy)
 from ray_ckpt.engine.writer import WriterError
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.lineage import ManifestError, NoCheckpointError
 
 __version__ = "0.1.0"
 
-__all__ = ["Checkpointer", "restore", "LowDiff", "CheckpointConfig", "CorruptObjectError", "NoCheckpointError",
-           "ManifestError", "WriterError", "__version__"]
+__all__ = ["Checkpointer", "restore", "LowDiff", "Amber", "CheckpointConfig", "CorruptObjectError",
+           "NoCheckpointError", "ManifestError", "WriterError", "__version__"]

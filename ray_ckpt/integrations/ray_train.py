@@ -37,7 +37,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from ray_ckpt import storage as _storage
 from ray_ckpt.config import CheckpointConfig
-from ray_ckpt.engine.checkpointer import Checkpointer, restore
+from ray_ckpt.api import Checkpointer, restore
 from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run

@@ -1,7 +1,8 @@
-"""The single-process engine: ``Checkpointer`` (capture → async writer → storage) and ``restore``.
+"""The public entry points ``Checkpointer`` and ``restore``: capture (engine) → a sink → storage.
 
-Everything here runs in the training process; no Ray. The Ray runtime reuses the capture and the format and
-replaces the writer with persistence actors.
+Everything here runs in the training process. ``runtime="local"`` uses the engine's writer thread and needs no
+Ray; ``runtime="ray"`` swaps in the Ray runtime's sink (persistence actors, coordinator), imported lazily so
+that the local path never imports Ray. This module sits above ``engine`` and ``runtime``.
 """
 from __future__ import annotations
 

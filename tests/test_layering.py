@@ -1,0 +1,60 @@
+"""Layers only import downwards (ARCHITECTURE.md): checked on the source's import statements."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ray_ckpt")
+
+# layer -> ray_ckpt subpackages it may import (itself included); "ray" marks layers allowed to import Ray
+ALLOWED = {
+    "format": {"format"},
+    "storage": {"storage"},
+    "lineage": {"lineage"},
+    "policy": {"policy"},
+    "engine": {"engine", "format", "storage", "lineage", "policy", "config"},
+    "runtime": {"runtime", "engine", "format", "storage", "lineage", "policy", "config", "ray"},
+    "integrations": {"integrations", "api", "runtime", "engine", "format", "storage", "lineage", "policy", "config",
+                     "ray"},
+    "api": {"api", "runtime", "engine", "format", "storage", "lineage", "policy", "config"},
+    "cli": {"cli", "engine", "format", "storage", "lineage", "policy", "config"},
+}
+
+
+def _imports(path):
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            if node.module == "ray_ckpt":
+                for a in node.names:
+                    yield f"ray_ckpt.{a.name}"
+
+
+def test_layers_import_only_downwards():
+    problems = []
+    for layer, allowed in ALLOWED.items():
+        base = os.path.join(PKG, layer)
+        paths = [base + ".py"] if os.path.isfile(base + ".py") else [
+            os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs if f.endswith(".py")]
+        for path in paths:
+            if True:
+                for mod in _imports(path):
+                    top = mod.split(".")
+                    if top[0] == "ray" and "ray" not in allowed:
+                        problems.append(f"{path}: imports {mod} (Ray) from pure layer {layer!r}")
+                    if top[0] == "ray_ckpt" and len(top) > 1 and top[1] not in allowed:
+                        problems.append(f"{path}: layer {layer!r} imports {mod}")
+    assert not problems, "\n".join(problems)
+
+
+def test_pure_layers_import_without_ray():
+    code = ("import sys; import ray_ckpt.format, ray_ckpt.storage, ray_ckpt.lineage, ray_ckpt.policy, "
+            "ray_ckpt.api; assert 'ray' not in sys.modules, 'ray was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
