@@ -1,0 +1,84 @@
+"""`ray job submit` of the example against a Ray head started here with `ray start` (own ports, own temp dir,
+auth disabled consistently, stopped by PID — never `ray stop`)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests import _training as T
+
+pytestmark = pytest.mark.ray
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def _pids_using(marker: str) -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(d))
+        except OSError:
+            pass
+    return [p for p in pids if p != os.getpid()]
+
+
+@pytest.fixture
+def ray_head():
+    tmp = tempfile.mkdtemp(prefix="rcj", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+    env.pop("RAY_ADDRESS", None)
+    gcs, dash = T.free_port(), T.free_port()
+    cmd = [os.path.join(BIN, "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
+           "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--temp-dir={tmp}/ray", "--num-cpus=3",
+           "--memory=6000000000", "--object-store-memory=300000000", "--disable-usage-stats"]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=180)
+    try:
+        yield f"http://127.0.0.1:{dash}", env, tmp
+    finally:
+        pids = _pids_using(tmp)
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 15
+        while time.time() < deadline and _pids_using(tmp):
+            time.sleep(0.3)
+        for p in _pids_using(tmp):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
+    address, env, tmp = ray_head
+    storage = tmp_path / "ckpt"
+    runtime_env = {"working_dir": ROOT, "excludes": [".venv", ".git", "benchmarks/results", "*.pt", "*.png"]}
+    cmd = [os.path.join(BIN, "ray"), "job", "submit", f"--address={address}",
+           f"--runtime-env-json={json.dumps(runtime_env)}", "--",
+           "python", "examples/train_gpt.py", "--steps", "8", "--preset", "tiny", "--workers", "2",
+           "--storage", str(storage), "--full-every", "4", "--batch-steps", "2", "--corpus-mb", "1",
+           "--log-every", "4", "--name", "job-test"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "succeeded" in r.stdout.lower(), r.stdout[-4000:] + r.stderr[-2000:]
+    assert "[ray_ckpt] starting at step 0" in r.stdout
+    from ray_ckpt.engine.restore import load_lineage
+    from ray_ckpt.storage import open_storage
+    lineage, _ = load_lineage(open_storage(str(storage)))
+    assert lineage.head() == 8
+    assert lineage.reachable_steps(1) == list(range(9))
