@@ -16,21 +16,34 @@ it. The aggregation runs in the callback of that future (a process-group thread)
 future before ``backward()`` returns, then copies the result into ``param.grad``. So after ``backward()`` every
 rank holds **bitwise identical** gradients, and for top-k the support of every parameter is published.
 
+Layer-wise compression. Both hooks compress each *parameter* of a bucket on its own (top-k keeps
+``k = ratio * param numel`` of every parameter; int8 uses one scale per parameter), never the bucket as a whole.
+DDP's bucket layout is not stable: it rebuilds its buckets after the first iteration (in gradient-ready order),
+so a freshly constructed DDP model (a restore from a checkpoint, an elastic restart) uses another layout for its
+first iteration than the long-running model did at that step, and ``bucket_cap_mb`` changes it too. Because
+every selection, scale, sample and error-feedback residual is a function of one parameter's values alone, the
+aggregated gradient does not depend on the layout: a run restored from a checkpoint continues bit for bit like
+the uninterrupted run.
+
 Determinism. Every rank gathers the same bytes from every rank and runs the same torch ops on them in the same
 order (sum rank by rank in rank order, ties broken by position, no atomics whose order matters), so the aggregate
 is bitwise identical on all ranks: what LowDiff's bit-exact replay needs. It is deterministic for a given device
 type and torch build; a CPU and a CUDA run are not expected to agree bitwise.
 
-Performance. :func:`select_topk` avoids ``torch.topk`` over the whole bucket (it takes a slow partial-sort path on
-CPU at k = 1% of a multi-million-element tensor): the k-th largest magnitude is estimated from a fixed random sample
-and the (few) elements above it are trimmed to exactly k. On CPU the hook keeps one scratch buffer per bucket
-(about 1.25x the bucket's bytes) because a fresh large allocation there costs page faults every step; on other
-devices temporaries come from the caching allocator and are freed after the hook.
+Performance. :func:`select_topk` avoids ``torch.topk`` over a large parameter (it takes a slow partial-sort path
+on CPU at k = 1% of a multi-million-element tensor): the k-th largest magnitude is estimated from a fixed random
+sample and the (few) elements above it are trimmed to exactly k. The hooks loop over the parameters of a bucket
+(not over elements); a parameter of ``n`` elements is sampled with ``min(sample_size, max(4096, n // 64))``
+positions, and parameters of at most four times that are selected exactly. On CPU each hook keeps one scratch
+buffer per bucket (about 1.25x the bucket's bytes for top-k, 1x for int8) because a fresh large allocation there
+costs page faults every step; on other devices temporaries come from the caching allocator and are freed after
+the hook.
 """
 
 import functools
 import math
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -54,6 +67,19 @@ above the estimated threshold, a ~4% relative error on the selected count, cover
 _EXACT_BELOW_FACTOR = 4
 """Tensors of at most ``_EXACT_BELOW_FACTOR * sample_size`` elements use the exact selection (cheap at that size)."""
 
+_MIN_PARAM_SAMPLE = 4096
+_PARAM_SAMPLE_DIVISOR = 64
+
+
+def _param_sample_size(numel: int, sample_size: int) -> int:
+    """Sample size the hooks use for one parameter (or its part of the aggregate) of ``numel`` elements.
+
+    ``min(sample_size, max(4096, numel // 64))``: a function of ``numel`` alone (never of the bucket), small
+    enough that the sample costs little next to the passes over the parameter, so parameters of up to
+    ``4 * 4096`` elements are selected exactly and larger ones sample about 1/64 of their elements.
+    """
+    return min(sample_size, max(_MIN_PARAM_SAMPLE, numel // _PARAM_SAMPLE_DIVISOR))
+
 
 # --------------------------------------------------------------------------------------------------------------
 # selection (pure, single process)
@@ -76,6 +102,20 @@ def _sorted_uniform(size: int, seed: int, device: torch.device) -> torch.Tensor:
     gen.manual_seed(seed)
     u = torch.rand(size, generator=gen, dtype=torch.float64)
     return u.sort().values.to(device)
+
+
+@functools.lru_cache(maxsize=128)
+def _sample_positions(numel: int, size: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The sampled positions ``floor(u * numel)`` (int64, non-decreasing) of a tensor of ``numel`` elements."""
+    u = _sorted_uniform(size, seed, device)
+    return (u * numel).to(torch.int64).clamp_(max=numel - 1)
+
+
+@functools.lru_cache(maxsize=32)
+def _smallest_positive(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The smallest positive value of ``dtype`` (a subnormal), as a 0-dim tensor on ``device``."""
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.nextafter(zero, zero + 1)
 
 
 def _nan_to_inf(mag: torch.Tensor) -> torch.Tensor:
@@ -141,11 +181,9 @@ def select_topk(
     if not sampled or n <= _EXACT_BELOW_FACTOR * sample_size:
         return torch.nonzero(_topk_mask(mag, k)).squeeze(1)
 
-    u = _sorted_uniform(sample_size, seed, flat.device)
-    sample_mag = mag.index_select(0, (u * n).to(torch.int64).clamp_(max=n - 1))
+    sample_mag = mag.index_select(0, _sample_positions(n, sample_size, seed, flat.device))
     expected = sample_size * k / n  # sampled elements expected above the true k-th magnitude
-    zero = torch.zeros((), dtype=mag.dtype, device=mag.device)
-    floor = torch.nextafter(zero, zero + 1)  # smallest positive value: zeros are never selected
+    floor = _smallest_positive(mag.dtype, mag.device)  # zeros are never selected
     mask = mask_out.reshape(-1) if mask_out is not None else None
 
     candidates = None
@@ -210,12 +248,27 @@ def _bucket_layout(bucket, buffer: torch.Tensor) -> list[tuple[torch.Tensor, int
     layout = []
     running = 0
     for param, grad in zip(params, grads):
+        if grad.numel() == 0:  # no data pointer to place it by; its (empty) support is trivially publishable
+            layout.append((param, running, 0, True))
+            continue
         delta = grad.data_ptr() - base
         inside = delta >= 0 and delta % size == 0 and delta // size + grad.numel() <= n
         offset = delta // size if inside else running
         layout.append((param, offset, grad.numel(), inside and grad.is_contiguous()))
         running = offset + grad.numel()
     return layout
+
+
+def _gaps(layout, n: int) -> list[tuple[int, int]]:
+    """``(start, end)`` ranges of the bucket buffer covered by no parameter (none in practice)."""
+    gaps, pos = [], 0
+    for _, offset, numel, _ in sorted(layout, key=lambda entry: entry[1]):
+        if offset > pos:
+            gaps.append((pos, offset))
+        pos = max(pos, offset + numel)
+    if pos < n:
+        gaps.append((pos, n))
+    return gaps
 
 
 def _publish(layout, selected: torch.Tensor) -> None:
@@ -235,6 +288,39 @@ def _publish(layout, selected: torch.Tensor) -> None:
             support.take(param)  # drop any stale entry: the capture falls back to the dense gradient
 
 
+class _Scratch:
+    """Scratch tensors kept per bucket (CPU only), replaced when the bucket's layout key changes.
+
+    Their contents never outlive one hook call, so they do not affect results: only the bucket's layout
+    (which DDP may rebuild) decides whether one is reused.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tables: dict[str, dict[int, tuple[tuple, torch.Tensor]]] = {}
+
+    def get(self, name: str, index: int, key: tuple, numel: int, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+        with self._lock:
+            table = self._tables.setdefault(name, {})
+            entry = table.get(index)
+            if entry is None or entry[0] != key:
+                entry = (key, torch.empty(numel, dtype=dtype, device=device))
+                table[index] = entry
+        return entry[1]
+
+    def forget_after(self, last_index: int) -> None:
+        """Drop the tensors of buckets past the last one (DDP's rebuild may leave fewer buckets)."""
+        with self._lock:
+            for table in self._tables.values():
+                for index in [i for i in table if i > last_index]:
+                    del table[index]
+
+
+def _layout_key(flat: torch.Tensor, layout) -> tuple:
+    return (flat.numel(), flat.dtype, flat.device, tuple((id(p), off, num) for p, off, num, _ in layout))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # top-k
 # --------------------------------------------------------------------------------------------------------------
@@ -246,17 +332,21 @@ class TopKState:
     Args:
         process_group: group to aggregate over; ``None`` is the default group (the one DDP uses by default,
             so pass DDP's group when DDP was given one).
-        ratio: fraction of each bucket kept, ``k = max(1, ceil(ratio * bucket numel))``; the aggregated
-            gradient of a bucket has at most ``k`` non-zeros.
-        error_feedback: keep, per bucket, the part of the local (gradient + residual) that this rank did not
+        ratio: fraction of each parameter kept, ``k = max(1, ceil(ratio * param numel))``; the aggregated
+            gradient of a parameter has at most ``k`` non-zeros (so a bucket has at most the sum of its
+            parameters' ``k``).
+        error_feedback: keep, per parameter, the part of the local (gradient + residual) that this rank did not
             send, and add it to the next step's gradient (the standard residual of top-k SGD). Costs one
-            buffer of the bucket's size per bucket. The residual is reset when DDP rebuilds its buckets
-            (after the first iteration) because its layout no longer matches.
-        sampled: estimate the local selection threshold from a sample (see :func:`select_topk`) instead of
-            an exact ``torch.topk`` over the bucket.
-        sample_size: size of that sample.
+            buffer of the gradient's size per parameter. The residual belongs to the parameter, not to a
+            bucket, so it survives DDP's bucket rebuild (after the first iteration); it is not checkpointed.
+        sampled: estimate each parameter's local selection threshold from a sample (see :func:`select_topk`)
+            instead of an exact ``torch.topk`` over it.
+        sample_size: the largest sample per parameter; a parameter of ``n`` elements samples
+            ``min(sample_size, max(4096, n // 64))`` positions, and is selected exactly when ``n`` is at most
+            four times that.
         seed: seed of the sample; rank ``r`` uses ``seed + r`` for its local selection and every rank uses
-            ``seed`` for the (identical) selection over the aggregate, so results are reproducible.
+            ``seed`` for the (identical) selection over the aggregate, so results are reproducible. The sampled
+            positions depend only on the seed and the number of elements, never on the bucket.
     """
 
     def __init__(
@@ -279,104 +369,133 @@ class TopKState:
         self.sample_size = int(sample_size)
         self.seed = int(seed)
         self._lock = threading.Lock()
-        # bucket index -> (layout key, tensor); the key detects DDP's bucket rebuild
-        self._residuals: dict[int, tuple[tuple, torch.Tensor]] = {}
-        self._scratch: dict[int, tuple[tuple, torch.Tensor]] = {}  # CPU only: |acc| of the selection
-        self._mask_scratch: dict[int, tuple[tuple, torch.Tensor]] = {}  # CPU only: its candidate mask
+        # id(param) -> (weakref to param, flat residual in the bucket's memory order): keyed by parameter, so
+        # independent of the bucket layout
+        self._residuals: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._scratch = _Scratch()  # CPU only: |acc| of the selection and its candidate mask, per bucket
 
     def k_for(self, numel: int) -> int:
-        """Elements kept for a bucket of ``numel`` elements."""
+        """Elements kept for a parameter of ``numel`` elements (``topk_count``; 0 for an empty parameter)."""
         return topk_count(numel, self.ratio)
 
-    def residual(self, bucket_index: int) -> torch.Tensor | None:
-        """The error-feedback residual of bucket ``bucket_index`` (flat, bucket dtype), or ``None``."""
+    def residual(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The error-feedback residual of ``param`` (flat, the bucket's dtype), or ``None`` when it has none."""
         with self._lock:
-            entry = self._residuals.get(bucket_index)
-        return None if entry is None else entry[1]
-
-    def _per_bucket(self, table: dict, index: int, key: tuple, like: torch.Tensor, zero: bool,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor shaped like ``like`` kept in ``table`` for bucket ``index``; replaced when ``key`` changed."""
-        with self._lock:
-            entry = table.get(index)
-            if entry is None or entry[0] != key:
-                fresh = torch.zeros_like(like, dtype=dtype) if zero else torch.empty_like(like, dtype=dtype)
-                entry = (key, fresh)
-                table[index] = entry
+            entry = self._residuals.get(id(param))
+        if entry is None or entry[0]() is not param:
+            return None
         return entry[1]
 
-    def _forget_after(self, last_index: int) -> None:
-        """Drop the tensors of buckets past the last one (DDP's rebuild may leave fewer buckets)."""
+    def _residual_for(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``param``'s residual, shaped like its flat bucket gradient ``grad``; zeros when new or mismatched."""
         with self._lock:
-            for table in (self._residuals, self._scratch, self._mask_scratch):
-                for index in [i for i in table if i > last_index]:
-                    del table[index]
+            entry = self._residuals.get(id(param))
+            tensor = None if entry is None or entry[0]() is not param else entry[1]
+            if tensor is None or tensor.shape != grad.shape or tensor.dtype != grad.dtype \
+                    or tensor.device != grad.device:
+                for key in [key for key, (ref, _) in self._residuals.items() if ref() is None]:
+                    del self._residuals[key]  # parameters that no longer exist
+                tensor = torch.zeros_like(grad)
+                self._residuals[id(param)] = (weakref.ref(param), tensor)
+        return tensor
 
 
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: top-k sparsified, deterministic mean of the bucket over ``state.process_group``.
+    """DDP communication hook: layer-wise top-k sparsified, deterministic mean of the bucket.
 
-    Per bucket, on every rank: select the local top-k of ``|gradient (+ residual)|`` (:func:`select_topk`),
-    all-gather ``(indices, values)`` padded to ``k`` (one uint8 all_gather), sum rank by rank in rank order into
-    the union of the gathered indices, keep the top-k of that sum (ties by position), divide by the world size,
-    and write it densely (zeros elsewhere) into the bucket buffer, which is the future's value. Then publish, for
-    each parameter of the bucket, the sorted int64 flat indices of its kept elements to
-    :mod:`ray_ckpt.engine.support`. The aggregated bucket has at most ``k`` non-zeros; each is the mean over all
-    ranks of the values of the ranks that selected that position (the others count as zero).
+    On every rank, for each parameter ``p`` of the bucket (its segment of the bucket buffer): select the local
+    top-``k_p`` of ``|gradient (+ residual)|`` with ``k_p = topk_count(numel_p, ratio)`` (:func:`select_topk`);
+    all-gather the bucket's ``(indices, values)``, padded to ``sum k_p`` (one uint8 all_gather); sum rank by rank
+    in rank order into the union of the gathered indices; keep, per parameter, the top-``k_p`` of that sum (ties
+    by position); divide by the world size and write it densely (zeros elsewhere) into the bucket buffer, which
+    is the future's value. Then publish, for each parameter, the sorted int64 flat indices of its kept elements
+    to :mod:`ray_ckpt.engine.support`. Each parameter's aggregated gradient has at most ``k_p`` non-zeros; each
+    is the mean over all ranks of the values of the ranks that selected that position (the others count as
+    zero). Every step of this is a function of each parameter's own values, so the result does not depend on
+    how DDP laid the parameters out in buckets.
     """
     group = state.process_group
     world, rank = _group_info(group)
     buffer = bucket.buffer()
     flat = buffer.view(-1)
     n = flat.numel()
-    k = state.k_for(n)
+    device = flat.device
     index = bucket.index()
     layout = _bucket_layout(bucket, buffer)
-    key = (n, flat.dtype, flat.device, tuple(id(p) for p, _, _, _ in layout))
+    ks = [state.k_for(numel) for _, _, numel, _ in layout]
     if bucket.is_last():
-        state._forget_after(index)
-
-    if state.error_feedback:
-        residual = state._per_bucket(state._residuals, index, key, flat, zero=True)
-        acc = residual.add_(flat)  # residual now holds gradient + old residual
-    else:
-        residual = None
-        acc = flat
+        state._scratch.forget_after(index)
     mag_scratch = mask_scratch = None
-    if flat.device.type == "cpu":  # a fresh large CPU allocation costs page faults on every step
-        mag_scratch = state._per_bucket(state._scratch, index, key, flat, zero=False)
-        mask_scratch = state._per_bucket(state._mask_scratch, index, key, flat, zero=False, dtype=torch.bool)
-    local = select_topk(acc, k, sampled=state.sampled, sample_size=state.sample_size, seed=state.seed + rank,
-                        out=mag_scratch, mask_out=mask_scratch)
-    values = acc.index_select(0, local)
-    if residual is not None:
-        residual.index_fill_(0, local, 0)  # what was sent is no longer owed
+    if device.type == "cpu":  # a fresh large CPU allocation costs page faults on every step
+        key = _layout_key(flat, layout)
+        mag_scratch = state._scratch.get("mag", index, key, n, flat.dtype, device)
+        mask_scratch = state._scratch.get("mask", index, key, n, torch.bool, device)
 
-    # one payload per rank: [values (kp) | indices (kp)] as bytes, padded with (index 0, value 0)
-    kp = _round_up(k, 8)  # keeps both byte views aligned
-    index_dtype = torch.int32 if n < 2**31 else torch.int64
+    sampled, sample_size = state.sampled, state.sample_size
+    local_indices, local_values = [], []
+    for (param, offset, numel, _), k in zip(layout, ks):
+        if k == 0:
+            continue
+        grad = flat[offset : offset + numel]
+        if state.error_feedback:
+            residual = state._residual_for(param, grad)
+            acc = residual.add_(grad)  # residual now holds gradient + old residual
+        else:
+            residual, acc = None, grad
+        chosen = select_topk(
+            acc, k, sampled=sampled, sample_size=_param_sample_size(numel, sample_size), seed=state.seed + rank,
+            out=None if mag_scratch is None else mag_scratch[offset : offset + numel],
+            mask_out=None if mask_scratch is None else mask_scratch[offset : offset + numel])
+        local_values.append(acc.index_select(0, chosen))
+        if residual is not None:
+            residual.index_fill_(0, chosen, 0)  # what was sent is no longer owed
+        local_indices.append(chosen.add_(offset))
+
+    # one payload per rank: [values (kp) | indices (kp)] as bytes, padded with (index n, value 0): the padding
+    # index lies in no parameter
+    kp = _round_up(max(1, sum(ks)), 8)  # keeps both byte views aligned
+    index_dtype = torch.int32 if n < 2**31 - 1 else torch.int64
     value_bytes = kp * flat.element_size()
-    payload = torch.zeros(value_bytes + kp * (4 if index_dtype == torch.int32 else 8), dtype=torch.uint8,
-                          device=flat.device)
-    payload[:value_bytes].view(flat.dtype)[: local.numel()] = values
-    payload[value_bytes:].view(index_dtype)[: local.numel()] = local.to(index_dtype)
+    payload = torch.empty(value_bytes + kp * (4 if index_dtype == torch.int32 else 8), dtype=torch.uint8,
+                          device=device)
+    payload_values = payload[:value_bytes].view(flat.dtype)
+    payload_indices = payload[value_bytes:].view(index_dtype)
+    m = sum(chosen.numel() for chosen in local_indices)
+    if m:
+        torch.cat(local_values, out=payload_values[:m])
+        payload_indices[:m].copy_(torch.cat(local_indices))
+    payload_values[m:] = 0
+    payload_indices[m:] = n
     gathered, fut = _gather_bytes(payload, world, group)
     acc_dtype = _acc_dtype(flat.dtype)
     union_seed = state.seed
-    sampled, sample_size = state.sampled, state.sample_size
+    bounds = torch.tensor([[off for _, off, _, _ in layout], [off + num for _, off, num, _ in layout]],
+                          dtype=torch.int64, device=device)
 
     def aggregate(_: torch.futures.Future) -> torch.Tensor:
         all_values = gathered[:, :value_bytes].view(flat.dtype)  # (world, kp)
         all_indices = gathered[:, value_bytes:].view(index_dtype).reshape(-1).to(torch.int64)
         union, inverse = torch.unique(all_indices, sorted=True, return_inverse=True)
-        sums = torch.zeros(union.numel(), dtype=acc_dtype, device=flat.device)
+        sums = torch.zeros(union.numel(), dtype=acc_dtype, device=device)
         for r in range(world):  # rank order: the same float additions on every rank
             sums.index_add_(0, inverse[r * kp : (r + 1) * kp], all_values[r].to(acc_dtype))
-        keep = select_topk(sums, k, sampled=sampled, sample_size=sample_size, seed=union_seed)
-        keep = keep[sums[keep] != 0]  # exact zeros (padding, cancellation) are not support
-        selected = union[keep]  # sorted: union is sorted and keep is increasing
+        # exact zeros (the padding at index n, cancellation) are not support
+        keep = sums != 0
+        cuts = torch.searchsorted(union, bounds).tolist()  # each parameter's part of the union; one host sync
+        for k, lo, hi in zip(ks, cuts[0], cuts[1]):
+            if hi - lo <= k:  # the ranks chose at most k_p positions together: all stay
+                continue
+            part = sums[lo:hi]
+            chosen = select_topk(part, k, sampled=sampled, sample_size=_param_sample_size(hi - lo, sample_size),
+                                 seed=union_seed)
+            part_keep = keep[lo:hi]
+            chosen_keep = part_keep.index_select(0, chosen)
+            part_keep.zero_()
+            part_keep.index_copy_(0, chosen, chosen_keep)
+        kept = torch.nonzero(keep).squeeze(1)
+        selected = union.index_select(0, kept)  # sorted: union is sorted and kept is increasing
         flat.zero_()
-        flat.index_copy_(0, selected, (sums[keep] / world).to(flat.dtype))
+        flat.index_copy_(0, selected, (sums.index_select(0, kept) / world).to(flat.dtype))
         _publish(layout, selected)
         return buffer
 
@@ -397,40 +516,66 @@ class Int8State:
 
     def __init__(self, process_group=None) -> None:
         self.process_group = process_group
+        self._scratch = _Scratch()  # CPU only: one float32 buffer per bucket
 
 
 def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: int8-quantized, deterministic mean of the bucket over ``state.process_group``.
+    """DDP communication hook: layer-wise int8-quantized, deterministic mean of the bucket.
 
-    Per rank and bucket: ``scale = max|x| / 127`` (1 when the bucket is all zeros), ``q = round(x / scale)``
-    clamped to [-127, 127] as int8; one all_gather of ``(q, scale)``; every rank dequantizes and sums in rank
-    order (in float32 for half-precision buckets), then divides by the world size. Dense: publishes no support.
-    Error per element is at most ``max|x_r| / 254`` per rank before averaging.
+    Per rank and parameter ``p`` (its segment ``x_p`` of the bucket): ``scale_p = max|x_p| / 127`` (1 when
+    ``x_p`` is all zeros), ``q = round(x_p / scale_p)`` clamped to [-127, 127] as int8; one all_gather of the
+    bucket's ``(q, scales)``; every rank dequantizes and sums in rank order (in float32 for half-precision
+    buckets), then divides by the world size. Dense: publishes no support. Error per element of ``p`` is at most
+    ``max|x_p,r| / 254`` per rank before averaging. One scale per parameter, never per bucket, so the result
+    does not depend on how DDP laid the parameters out in buckets.
     """
     group = state.process_group
     world, _ = _group_info(group)
     buffer = bucket.buffer()
     flat = buffer.view(-1)
     n = flat.numel()
-    x = flat.to(torch.float32)
-    scale = x.abs().max() / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.div(x, scale).round_().clamp_(-127, 127).to(torch.int8)
+    device = flat.device
+    index = bucket.index()
+    layout = _bucket_layout(bucket, buffer)
+    segments = [(offset, numel) for _, offset, numel, _ in layout if numel > 0]
+    gaps = _gaps(layout, n)
+    if bucket.is_last():
+        state._scratch.forget_after(index)
+    key = _layout_key(flat, layout)
 
-    q_bytes = _round_up(n, 4)  # keeps the float32 scale aligned
-    payload = torch.empty(q_bytes + 4, dtype=torch.uint8, device=flat.device)
-    payload[:n] = q.view(torch.uint8)
+    def work() -> torch.Tensor:  # a float32 buffer of the bucket's size
+        if device.type == "cpu":  # a fresh large CPU allocation costs page faults on every step
+            return state._scratch.get("work", index, key, n, torch.float32, device)
+        return torch.empty(n, dtype=torch.float32, device=device)
+
+    x = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
+    q_bytes = _round_up(n, 4)  # keeps the float32 scales aligned
+    payload = torch.empty(q_bytes + 4 * len(segments), dtype=torch.uint8, device=device)
+    scales = payload[q_bytes:].view(torch.float32)
+    if segments:
+        absmax = torch.stack([torch.linalg.vector_norm(x[off : off + num], ord=math.inf) for off, num in segments])
+        scale = absmax / 127.0
+        torch.where(scale > 0, scale, torch.ones_like(scale), out=scales)
+    scaled = work()
+    for p, (off, num) in enumerate(segments):
+        torch.div(x[off : off + num], scales[p], out=scaled[off : off + num])
+    for start, end in gaps:
+        scaled[start:end] = 0
+    scaled.round_().clamp_(-127, 127)
+    payload[:n].view(torch.int8).copy_(scaled)
     payload[n:q_bytes] = 0
-    payload[q_bytes:].view(torch.float32)[0] = scale
     gathered, fut = _gather_bytes(payload, world, group)
 
     def aggregate(_: torch.futures.Future) -> torch.Tensor:
-        total = flat if flat.dtype == torch.float32 else torch.empty(n, dtype=torch.float32, device=flat.device)
+        total = flat if flat.dtype == torch.float32 else torch.empty(n, dtype=torch.float32, device=device)
         total.zero_()
+        values = work()
         for r in range(world):  # rank order: the same float additions on every rank
-            q_r = gathered[r, :n].view(torch.int8)
-            scale_r = gathered[r, q_bytes:].view(torch.float32)
-            total.add_(q_r.to(torch.float32) * scale_r)
+            values.copy_(gathered[r, :n].view(torch.int8))
+            scales_r = gathered[r, q_bytes:].view(torch.float32)
+            for p, (off, num) in enumerate(segments):
+                values[off : off + num].mul_(scales_r[p])
+            total.add_(values)
         total.div_(world)
         if total is not flat:
             flat.copy_(total)
