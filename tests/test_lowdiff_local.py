@@ -139,3 +139,39 @@ def test_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_CKPT_BATCH_STEPS", "many")
     with pytest.raises(ValueError, match="RAY_CKPT_BATCH_STEPS"):
         ray_ckpt.Checkpointer(tmp_path / "c", model, opt)
+
+
+def test_topk_diff_bytes_are_a_small_fraction(tmp_path):
+    """Top-k 1% (world size 1 DDP, the hook's support path): bytes per step diff <= 2.5% of parameter bytes."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from examples.gpt import GPT, ByteBatches, GPTConfig, stdlib_corpus
+    from ray_ckpt import compression
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset("small"))
+        ddp = DDP(model)
+        ddp.register_comm_hook(compression.TopKState(ratio=0.01), compression.topk_hook)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = ByteBatches(stdlib_corpus(1 << 20), 64, 4)
+        steps = 6
+        with ray_ckpt.Checkpointer(tmp_path / "ck", ddp, opt, full_every=steps, batch_steps=steps) as ck:
+            for s in range(steps):
+                x, y = data.get(s)
+                opt.zero_grad()
+                logits = ddp(x)
+                torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)).backward()
+                opt.step()
+        st = ck.stats()
+    finally:
+        dist.destroy_process_group()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_step = st["diff_bytes"] / steps
+    assert per_step <= 0.025 * param_bytes, (per_step, param_bytes)
+    # a full checkpoint with AdamW moments (step 6) is ~3x the parameters: a diff is >100x smaller
+    full = (tmp_path / "ck" / "objects" / "g000001-full-000000000006.rckpt").stat().st_size
+    assert full > 2.9 * param_bytes and full / per_step > 100
+    print(f"top-k 1% diff: {per_step / param_bytes:.2%} of parameter bytes, 1/{full / per_step:.0f} of a full "
+          f"checkpoint")
