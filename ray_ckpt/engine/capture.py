@@ -1,4 +1,8 @@
-"""Capture on the training thread: what LowDiff needs from each optimizer step, at the cost of a copy.
+"""Capture on the training thread: what a strategy needs from each optimizer step, at the cost of a copy.
+
+:class:`CaptureBase` holds what every strategy shares (hooks, loop state, finalization, full snapshots);
+:class:`LowDiffCapture` takes the consumed gradients (below); Amber's capture lives in
+:mod:`ray_ckpt.engine.amber`.
 
 Call order (all on the training thread, inside the user's loop; nothing to call per step)::
 
@@ -6,9 +10,14 @@ Call order (all on the training thread, inside the user's loop; nothing to call 
                                       a compression hook published, else a host copy of the dense gradient)
                                       and the param-group hyper-parameters the step will use
                       ─► post-hook  : RNG states, user extra state, model buffers → a *pending* record
-    scheduler.step()  ─► (wrapper)  : scheduler, GradScaler and param-group values as the loop left them →
-                                      the pending record is finalized and handed to the sink
-    next pre-hook / flush()          : finalize a record that is still pending (no scheduler, or GradScaler)
+    next pre-hook / flush()          : scheduler, GradScaler and param-group values as the loop left them
+                                      (after its scheduler.step() / scaler.update()) → the pending record is
+                                      finalized and handed to the sink. Without a scheduler or scaler the
+                                      record is finalized in the post-hook already.
+
+The scheduler is read, never wrapped: its ``state_dict()`` stays exactly the user's. The price of reading it
+at the next step is latency: with a scheduler, step ``s`` reaches the sink when step ``s+1`` starts (or at
+``flush()``), so a crash between the two loses at most that one step.
 
 A full snapshot (a host copy of model + optimizer state) is taken when the policy says so, right after the
 record of that step is finalized. Encoding, sparsifying, checksumming and writing happen in the sink
@@ -26,7 +35,7 @@ import torch
 
 from ray_ckpt.engine import support
 from ray_ckpt.format.records import FullState, GradEntry, StepRecord
-from ray_ckpt.policy import FrequencyPolicy, StepContext
+from ray_ckpt.policy import FrequencyPolicy, StepContext, StepDecision
 
 ATTACHED_ATTR = "_ray_ckpt_capture"
 RESTORED_STEP_ATTR = "_ray_ckpt_restored_step"
@@ -46,9 +55,13 @@ class _HostCopier:
     def __init__(self):
         self.cuda_used = False
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+        """A host copy of ``t``; ``fresh=True`` says ``t`` is a new tensor nobody else holds (e.g. the result of
+        an ``index_select``): a CPU one is then taken as is, without a second copy."""
         t = t.detach()
         if t.device.type == "cpu":
+            if fresh and t.is_contiguous():
+                return t
             return t.clone(memory_format=torch.contiguous_format)
         self.cuda_used = True
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -119,8 +132,11 @@ def apply_group_values(optimizer: torch.optim.Optimizer, values: list[dict]) -> 
 
 
 # ------------------------------------------------------------------------------------------------------------
-class LowDiffCapture:
-    """Attaches LowDiff capture to an optimizer (and scheduler). Runs on the training thread."""
+class CaptureBase:
+    """What every strategy's capture shares (training thread): hooks on the optimizer,
+    loop state (RNG, extra state, scheduler, GradScaler, param-group values), finalization with the frequency
+    policy, full snapshots and detaching. A subclass builds the step record (:meth:`_make_record`) and may take
+    something before the step (:meth:`_before_step`) or add items after a record (:meth:`_after_submit`)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sink: Sink,
                  policy: FrequencyPolicy, *, start_step: int, scheduler: Any = None, scaler: Any = None,
@@ -139,60 +155,46 @@ class LowDiffCapture:
         for p in self.params:
             if p.is_sparse:
                 raise NotImplementedError("sparse parameters are not supported")
+        # the model's persistent buffers, looked up once (walking the module tree every step costs ~0.3 ms)
+        self._buffers = list(_persistent_buffers(model)) if capture_buffers else []
         self.step = start_step
         self.last_full_step = start_step
         self.steps_in_batch = 0
         self._copy = _HostCopier()
-        self._consumed: tuple[list, list] | None = None   # grads + hparams taken in the pre-hook
-        self._pending: StepRecord | None = None
+        self._pending: Any = None
         self._lock = threading.RLock()
         self.capture_seconds = 0.0        # time spent in the hooks, for stats
         self._handles = [optimizer.register_step_pre_hook(self._pre_hook),
                          optimizer.register_step_post_hook(self._post_hook)]
-        self._orig_sched_step = None
-        if scheduler is not None:
-            self._orig_sched_step = scheduler.step
-            capture = self
-
-            def step(*args, **kwargs):
-                out = capture._orig_sched_step(*args, **kwargs)
-                capture._finalize()
-                return out
-
-            scheduler.step = step
         setattr(optimizer, ATTACHED_ATTR, self)
+
+    # -- what a strategy provides ----------------------------------------------------------------------------
+    def _before_step(self, optimizer) -> None:
+        """Pre-step hook body (after a still-pending record was finalized). Default: nothing."""
+
+    def _make_record(self, step: int, loop: dict, buffers: dict) -> Any:
+        """The record of optimizer step ``step`` (post-step hook; ``loop`` is completed at finalization)."""
+        raise NotImplementedError
+
+    def _amend_decision(self, rec: Any, decision: StepDecision) -> StepDecision:
+        """A strategy may ask for more than the frequency policy (e.g. an earlier full). Default: as is."""
+        return decision
+
+    def _after_submit(self, rec: Any, decision: StepDecision, full: FullState | None) -> None:
+        """Called after ``rec`` went to the sink and before ``full`` does. Default: nothing."""
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def _pre_hook(self, optimizer, args, kwargs):
         t0 = time.perf_counter()
         with self._lock:
             self._finalize()
-            grads: list[GradEntry | None] = []
-            for p in self.params:
-                g = p.grad
-                if g is None:
-                    grads.append(None)
-                    continue
-                if g.is_sparse:
-                    raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported")
-                idx = support.take(p)
-                if idx is not None:
-                    vals = g.reshape(-1).index_select(0, idx)
-                    small = idx.to(torch.int32) if p.numel() < 2**31 else idx
-                    grads.append(GradEntry(tuple(p.shape), self._copy(vals), self._copy(small)))
-                else:
-                    grads.append(GradEntry(tuple(p.shape), self._copy(g)))
-            self._consumed = (grads, group_values(optimizer, self._copy.tree))
+            self._before_step(optimizer)
         self.capture_seconds += time.perf_counter() - t0
 
     def _post_hook(self, optimizer, args, kwargs):
         t0 = time.perf_counter()
         with self._lock:
-            if self._consumed is None:  # step() called without our pre-hook (should not happen)
-                raise RuntimeError("ray_ckpt: optimizer post-step hook ran without its pre-step hook")
-            grads, hparams = self._consumed
-            self._consumed = None
-            self.step += 1
+            step = self.step + 1
             loop = {}
             if self.capture_rng:
                 loop["rng"] = rng_state()
@@ -200,8 +202,9 @@ class LowDiffCapture:
                 loop["extra"] = self._copy.tree(self.extra_state.state_dict())
             buffers = {}
             if self.capture_buffers:
-                buffers = {n: self._copy(b) for n, b in _persistent_buffers(self.model)}
-            self._pending = StepRecord(step=self.step, grads=grads, hparams=hparams, loop=loop, buffers=buffers)
+                buffers = {n: self._copy(b) for n, b in self._buffers}
+            self._pending = self._make_record(step, loop, buffers)
+            self.step = step
             if self.scheduler is None and self.scaler is None:
                 self._finalize()
         self.capture_seconds += time.perf_counter() - t0
@@ -211,10 +214,7 @@ class LowDiffCapture:
         """The part of the loop state read at finalization: as the loop left it after scheduler/scaler."""
         tail: dict[str, Any] = {"groups": group_values(self.optimizer, self._copy.tree)}
         if self.scheduler is not None:
-            sd = self.scheduler.state_dict()
-            if callable(sd.get("step")):  # our wrapper lives in the instance __dict__ that state_dict copies
-                sd = {k: v for k, v in sd.items() if k != "step"}
-            tail["scheduler"] = self._copy.tree(sd)
+            tail["scheduler"] = self._copy.tree(self.scheduler.state_dict())
         if self.scaler is not None:
             tail["scaler"] = self._copy.tree(self.scaler.state_dict())
         return tail
@@ -229,33 +229,42 @@ class LowDiffCapture:
             self.steps_in_batch += 1
             decision = self.policy.decide(StepContext(step=rec.step, last_full_step=self.last_full_step,
                                                       steps_in_batch=self.steps_in_batch))
+            decision = self._amend_decision(rec, decision)
             full = None
             if decision.full:
-                full = self._snapshot(rec.step, dict(rec.loop))
+                full = self._snapshot(rec.step, dict(rec.loop), rec)
             rec.ready = self._copy.event()
             self.sink.submit(rec, close_batch=decision.close_batch)
             if decision.close_batch:
                 self.steps_in_batch = 0
+            self._after_submit(rec, decision, full)
             if full is not None:
                 full.ready = self._copy.event() or rec.ready
                 self.last_full_step = rec.step
                 self.sink.submit(full)
 
-    def _snapshot(self, step: int, loop: dict) -> FullState:
-        model_sd = {k: self._copy(v) for k, v in self.model.state_dict().items()}
+    def _snapshot(self, step: int, loop: dict, rec: Any = None) -> FullState:
+        """Host copy of model + optimizer state (``rec``: the record of ``step``, when there is one)."""
+        # buffers (BatchNorm statistics) change in the forward pass: with a scheduler this runs after the next
+        # step's forward, so take them from the record of `step` (copied right after its optimizer.step())
+        early = getattr(rec, "buffers", None) or {}
+        model_sd = {k: early[k] if k in early else self._copy(v) for k, v in self.model.state_dict().items()}
         opt_sd = self._copy.tree(self.optimizer.state_dict())
         return FullState(step=step, model=model_sd, optimizer=opt_sd, loop=loop)
+
+    def _attach_loop(self) -> dict:
+        loop: dict[str, Any] = {}
+        if self.capture_rng:
+            loop["rng"] = rng_state()
+        if self.extra_state is not None:
+            loop["extra"] = self._copy.tree(self.extra_state.state_dict())
+        loop.update(self._loop_tail())
+        return loop
 
     def snapshot_now(self) -> FullState:
         """A full snapshot of the current state (attach time). Training thread."""
         with self._lock:
-            loop: dict[str, Any] = {}
-            if self.capture_rng:
-                loop["rng"] = rng_state()
-            if self.extra_state is not None:
-                loop["extra"] = self._copy.tree(self.extra_state.state_dict())
-            loop.update(self._loop_tail())
-            full = self._snapshot(self.step, loop)
+            full = self._snapshot(self.step, self._attach_loop())
             full.ready = self._copy.event()
             return full
 
@@ -267,14 +276,41 @@ class LowDiffCapture:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self._orig_sched_step is not None:
-            try:
-                del self.scheduler.step  # drop the instance attribute, the class method shows again
-            except AttributeError:
-                pass
-            self._orig_sched_step = None
         if getattr(self.optimizer, ATTACHED_ATTR, None) is self:
             delattr(self.optimizer, ATTACHED_ATTR)
+
+
+class LowDiffCapture(CaptureBase):
+    """Attaches LowDiff capture to an optimizer (and scheduler). Runs on the training thread."""
+
+    def __init__(self, *args, **kwargs):
+        self._consumed: tuple[list, list] | None = None   # grads + hparams taken in the pre-hook
+        super().__init__(*args, **kwargs)
+
+    def _before_step(self, optimizer) -> None:
+        grads: list[GradEntry | None] = []
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                grads.append(None)
+                continue
+            if g.is_sparse:
+                raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported")
+            idx = support.take(p)
+            if idx is not None:
+                # O(k): the values the hook kept; the published indices are handed over (int32 in the writer)
+                vals = g.reshape(-1).index_select(0, idx)
+                grads.append(GradEntry(tuple(p.shape), self._copy(vals, fresh=True), self._copy(idx, fresh=True)))
+            else:
+                grads.append(GradEntry(tuple(p.shape), self._copy(g)))
+        self._consumed = (grads, group_values(optimizer, self._copy.tree))
+
+    def _make_record(self, step: int, loop: dict, buffers: dict) -> StepRecord:
+        if self._consumed is None:  # step() called without our pre-hook (should not happen)
+            raise RuntimeError("ray_ckpt: optimizer post-step hook ran without its pre-step hook")
+        grads, hparams = self._consumed
+        self._consumed = None
+        return StepRecord(step=step, grads=grads, hparams=hparams, loop=loop, buffers=buffers)
 
 
 def _persistent_buffers(model: torch.nn.Module):

@@ -28,7 +28,9 @@ _entries: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 def publish(param: torch.Tensor, flat_indices: torch.Tensor) -> None:
     """Record the flat indices (int64, sorted, unique, on any device) of ``param``'s non-zero gradient.
 
-    Runs in the training process, called by a compression hook (possibly from an autograd thread).
+    Ownership of ``flat_indices`` passes to the capture (which keeps it without copying): the publisher must
+    not modify it afterwards. Runs in the training process, called by a compression hook (possibly from an
+    autograd thread).
     """
     if flat_indices.dtype != torch.int64 or flat_indices.dim() != 1:
         raise TypeError("flat_indices must be a 1-D int64 tensor")

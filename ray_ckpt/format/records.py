@@ -13,6 +13,7 @@ Pure layer: torch and numpy only.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,7 +131,10 @@ def encode_steps(records: list[StepRecord], *, max_density: float = 0.5, extra_m
             g = g.sparsified(max_density) if max_density > 0 else g
             tensors[f"{p}/g{i}/v"] = g.values.reshape(-1)
             if g.indices is not None:
-                tensors[f"{p}/g{i}/i"] = g.indices
+                idx = g.indices
+                if idx.dtype == torch.int64 and math.prod(g.shape) < 2**31:
+                    idx = idx.to(torch.int32)  # 4 bytes per index on storage (the capture hands over int64)
+                tensors[f"{p}/g{i}/i"] = idx
             grads_meta.append({"shape": list(g.shape), "sparse": g.indices is not None})
         buf_meta = {}
         for j, (name, b) in enumerate(rec.buffers.items()):
