@@ -37,7 +37,8 @@ def _pids_using(marker: str) -> list[int]:
 @pytest.fixture
 def ray_head():
     tmp = tempfile.mkdtemp(prefix="rcj", dir="/tmp")
-    env = {**os.environ, "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+    # PATH: the job's `python` must be this environment's, as on a cluster whose nodes installed ray_ckpt
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
     env.pop("RAY_ADDRESS", None)
     gcs, dash = T.free_port(), T.free_port()
@@ -74,7 +75,12 @@ def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
            "python", "examples/train_gpt.py", "--steps", "8", "--preset", "tiny", "--workers", "2",
            "--storage", str(storage), "--full-every", "4", "--batch-steps", "2", "--corpus-mb", "1",
            "--log-every", "4", "--name", "job-test"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    deadline = time.time() + 120
+    while True:  # the head's dashboard agent needs a moment after `ray start` before it accepts jobs
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if "No available agent" not in r.stdout + r.stderr or time.time() > deadline:
+            break
+        time.sleep(2)
     assert r.returncode == 0 and "succeeded" in r.stdout.lower(), r.stdout[-4000:] + r.stderr[-2000:]
     assert "[ray_ckpt] starting at step 0" in r.stdout
     from ray_ckpt.engine.restore import load_lineage
