@@ -93,7 +93,10 @@ class _HostCopier:
 
 def rng_state() -> dict:
     """All RNG states a training loop typically draws from (training thread)."""
-    st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+    version, words, gauss = random.getstate()
+    # the Mersenne Twister words as uint32 (2.5 KB binary instead of ~7 KB of JSON integers per step)
+    st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": (version, np.array(words, dtype=np.uint32),
+                                                                     gauss),
                           "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = torch.cuda.get_rng_state_all()
@@ -109,8 +112,8 @@ def set_rng_state(st: dict) -> None:
 
 
 def _as_python_random_state(s: Any) -> tuple:
-    # random.getstate() = (version, tuple_of_625_ints, gauss_next)
-    return (s[0], tuple(s[1]), s[2])
+    # random.getstate() = (version, tuple_of_625_ints, gauss_next); the words are stored as a uint32 array
+    return (s[0], tuple(int(w) for w in s[1]), s[2])
 
 
 def group_values(optimizer: torch.optim.Optimizer, copy: Callable[[Any], Any]) -> list[dict]:
