@@ -45,7 +45,8 @@ class Checkpointer:
                  batch_steps: int | None = None, extra_state: Any = None, scaler: Any = None,
                  storage_options: dict | None = None, start_step: int | None = None,
                  max_pending_bytes: int | None = None, capture_rng: bool | None = None,
-                 runtime: str = "local", run: str | None = None, memory_budget: int | None = None):
+                 runtime: str = "local", run: str | None = None, memory_budget: int | None = None,
+                 keep_fulls: int | None = None):
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -56,7 +57,7 @@ class Checkpointer:
                              f"actors), got {runtime!r}")
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng,
-                                               memory_budget=memory_budget)
+                                               memory_budget=memory_budget, keep_fulls=keep_fulls)
         self.runtime = runtime
         self.strategy = strategy
         self.storage = open_uri(uri, storage_options)

@@ -42,6 +42,113 @@ class LowDiff:
 
 
 @dataclass(kw_only=True, frozen=True)
+class Amber:
+    """Amber: selective incremental checkpoints of model (and optimizer) state, error-bounded or lossless.
+
+    Every captured step (every optimizer step by default, like LowDiff) writes an *increment*: the elements of
+    each tracked tensor whose change since their **last saved value** ``r`` exceeds the bound,
+    ``|x − r| > τ·|r| + atol``. Comparing with the last saved value (not the previous step) writes slow drift
+    once it accumulates, so a restore at any checkpointed step ``t`` returns, for every element,
+
+        |restored − true_t| ≤ τ·|restored| + atol        (restored = the element's last saved value)
+
+    relative to the *restored* value, in exact arithmetic (the selection test is computed with a tightened
+    bound that absorbs float rounding; see :mod:`ray_ckpt.format.delta`). ``τ`` is ``threshold`` for
+    parameters (the threshold in force for the layer in adaptive mode, never above ``max_threshold``) and
+    ``optimizer_threshold`` for optimizer state under ``optimizer_state="threshold"``. Elements saved as 0 are
+    written on any change unless ``atol > 0``. Scalars (Adam's step counters) and integer tensors are always
+    compared bit-exactly. ``threshold=0`` (``atol=0``, no budget) is lossless: restores are bit-exact.
+
+    Selection, encoding and merging run where the diff objects are encoded (the writer thread), never on the
+    training thread, which only copies the tracked tensors to host memory. Merged increments (every element
+    written since the full, latest value wins; one atomic object) bound what a recovery reads; a cost policy
+    (:class:`ray_ckpt.policy.merge.CostChainPolicy`) decides when to merge and when a new full is cheaper.
+    Measured figures behind the defaults: benchmarks/results/amber_table.md.
+    """
+
+    #: relative threshold τ for parameters, in [0, 0.25]: an element is written when it moved more than τ of
+    #: its last saved magnitude. 0 (with atol 0 and no budget) = lossless, bit-exact restores.
+    threshold: float = 0.02
+    #: absolute floor added to the bound (>= 1e-30 when set): elements near 0 are written only when they
+    #: move more than this. 0: an element saved as 0 is written on any change.
+    atol: float = 0.0
+    #: optimizer state tensors (Adam moments, momentum): "threshold" (the same rule with
+    #: ``optimizer_threshold``), "lossless" (bit-exact increments), "full" (only in full checkpoints: a restore
+    #: returns the moments of the latest full), or "auto" (lossless when ``threshold`` is 0, else "threshold").
+    #: Step counters are exact in every mode.
+    optimizer_state: str = "auto"
+    #: τ for optimizer state under "threshold" (in [0, 0.25]); None: the same as ``threshold``
+    optimizer_threshold: float | None = None
+    #: adaptive per-layer thresholds: the byte budget of one increment, as a fraction of the parameters'
+    #: full bytes (e.g. 0.01). Each layer's threshold is then chosen per increment from its drift statistics
+    #: (see ray_ckpt.engine.amber), between ``threshold`` and ``max_threshold``. None: fixed threshold.
+    budget_fraction: float | None = None
+    #: adaptive mode: the largest threshold a layer may get, in (0, 0.25]; the error bound's cap
+    max_threshold: float = 0.1
+    #: how written elements are encoded: "sparse" (indices or a bitmap, plus values), "xor" (XOR with the
+    #: last saved bits, byte planes, zstandard), or "auto" (xor for lossless increments, sparse otherwise)
+    encoding: str = "auto"
+    #: zstandard level of the "xor" encoding (1 = fastest)
+    zstd_level: int = 1
+    #: merge the increments since the full into one object once this many diff objects follow the full (or
+    #: the latest merge), or earlier when the chain is mostly overwritten elements; 0 disables merging
+    merge_after: int = 4
+    #: take a new full checkpoint once a merged increment would reach this fraction of a full's bytes;
+    #: None: fulls only on the ``full_every`` schedule
+    full_ratio: float | None = 0.5
+    #: copy model buffers (BatchNorm statistics ...) into every increment, exactly
+    capture_buffers: bool = True
+
+    name = "amber"
+
+    def __post_init__(self):
+        def rel(name, v, allow_none=False):
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 0.25:
+                raise ValueError(f"{name} must be a relative threshold in [0, 0.25] (0.02 = 2%), got {v!r}")
+
+        rel("threshold", self.threshold)
+        rel("optimizer_threshold", self.optimizer_threshold, allow_none=True)
+        if not (self.atol == 0 or 1e-30 <= self.atol < float("inf")):
+            raise ValueError(f"atol must be 0 or a finite value >= 1e-30, got {self.atol!r}")
+        if self.optimizer_state not in ("auto", "threshold", "lossless", "full"):
+            raise ValueError(f"optimizer_state must be 'auto', 'threshold', 'lossless' or 'full', got "
+                             f"{self.optimizer_state!r}")
+        if self.optimizer_threshold is not None and self.optimizer_state not in ("auto", "threshold"):
+            raise ValueError(f"optimizer_threshold applies to optimizer_state='threshold', not "
+                             f"{self.optimizer_state!r}")
+        if self.budget_fraction is not None:
+            if not 0.0 < self.budget_fraction <= 1.0:
+                raise ValueError(f"budget_fraction must be in (0, 1] (a fraction of the parameters' full bytes), "
+                                 f"got {self.budget_fraction!r}")
+            if not 0.0 < self.max_threshold <= 0.25:
+                raise ValueError(f"max_threshold must be in (0, 0.25], got {self.max_threshold!r}")
+            if self.max_threshold < self.threshold:
+                raise ValueError(f"max_threshold ({self.max_threshold}) is below threshold ({self.threshold}): "
+                                 f"in adaptive mode threshold is the smallest a layer's threshold may get")
+        if self.encoding not in ("auto", "sparse", "xor"):
+            raise ValueError(f"encoding must be 'auto', 'sparse' or 'xor', got {self.encoding!r}")
+        if not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level must be in [1, 22], got {self.zstd_level}")
+        if self.merge_after < 0:
+            raise ValueError(f"merge_after must be >= 0 (0 disables merging), got {self.merge_after}")
+        if self.full_ratio is not None and not self.full_ratio > 0:
+            raise ValueError(f"full_ratio must be > 0 or None, got {self.full_ratio}")
+
+    @property
+    def lossless(self) -> bool:
+        """Parameters are compared bit-exactly."""
+        return self.threshold == 0 and self.atol == 0 and self.budget_fraction is None
+
+    @property
+    def resolved_optimizer_state(self) -> str:
+        if self.optimizer_state != "auto":
+            return self.optimizer_state
+        return "lossless" if self.lossless else "threshold"
+
+
+@dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     """Knobs of a :class:`ray_ckpt.Checkpointer`. Every field has a ``RAY_CKPT_<FIELD>`` env override."""
 
@@ -58,6 +165,9 @@ class CheckpointConfig:
     #: runtime="ray": bytes each node's PersistenceWorker may hold in the object store (durable objects are
     #: released oldest first beyond it; the newest full is kept)
     memory_budget: int = 2 * _GiB
+    #: runtime="ray": keep only the chains of the newest this-many durable full checkpoints (older fulls and
+    #: their diffs are deleted from storage and memory by the coordinator); 0 keeps everything
+    keep_fulls: int = 0
 
     def __post_init__(self):
         if self.full_every < 1:
@@ -66,6 +176,8 @@ class CheckpointConfig:
             raise ValueError(f"batch_steps must be >= 1, got {self.batch_steps}")
         if self.max_pending_bytes < 1 << 20:
             raise ValueError(f"max_pending_bytes must be at least 1 MiB, got {self.max_pending_bytes}")
+        if self.keep_fulls < 0:
+            raise ValueError(f"keep_fulls must be >= 0 (0 keeps every checkpoint), got {self.keep_fulls}")
         if self.memory_budget < 1 << 20:
             raise ValueError(f"memory_budget must be at least 1 MiB, got {self.memory_budget}")
         if self.write_retries < 1:

@@ -156,3 +156,37 @@ def test_node_removal_loses_nothing_reported_recoverable(run_env, ray_cluster): 
     m, o, sc = _fresh()
     assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == reported
     T.assert_same(_reference(reported), T.snapshot(m, o, sc), "after node removal")
+
+
+def test_memory_budget_releases_durable_objects(run_env):
+    run, uri = run_env
+    model = T.MLP(d_in=32, hidden=512, d_out=8)  # dense diffs of ~1.1 MB: 2 MiB hold one or two
+    opt = T.make_optimizer("adamw", model)
+    with ray_ckpt.Checkpointer(uri, model, opt, runtime="ray", run=run, full_every=10, batch_steps=2,
+                               memory_budget=2 << 20, strategy=ray_ckpt.LowDiff(max_sparse_density=0)) as ck:
+        for s in range(14):
+            T.train_step("mlp", model, opt, None, s)
+    node = ray.get_runtime_context().get_node_id()
+    st = ray.get(_worker(run, node).stats.remote())
+    # what stays: the newest full (~3.4 MB, always kept) and objects not yet durable; the rest was released
+    assert st["released"] > 0 and st["held_objects"] <= 6, st
+    assert ray.get(_coord(run).status.remote())["durable_step"] == 14
+    m = T.MLP(d_in=32, hidden=512, d_out=8)
+    o = T.make_optimizer("adamw", m)
+    assert ray_ckpt.restore(uri, m, o, runtime="ray", run=run) == 14  # released objects come from storage
+    assert ck.stats()["step"] == 14
+
+
+def test_gc_keeps_the_newest_fulls(run_env):
+    run, uri = run_env
+    ck, *_ = _train(uri, run, 27, keep_fulls=2)
+    ck.close()
+    import os
+    names = sorted(os.listdir(os.path.join(uri, "manifests")))
+    assert [n for n in names if "full" in n] == ["g000001-full-000000000010.json", "g000001-full-000000000020.json"]
+    assert all(int(n.split("-")[-1][:12]) >= 10 for n in names)  # nothing that ends before the kept chains
+    m, o, sc = _fresh()
+    assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=13, runtime="ray", run=run) == 13
+    T.assert_same(_reference(13), T.snapshot(m, o, sc), "after gc")
+    with pytest.raises(ray_ckpt.NoCheckpointError):
+        ray_ckpt.restore(uri, *_fresh()[:2], step=5)

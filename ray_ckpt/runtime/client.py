@@ -31,7 +31,8 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict):
     """``(run, generation, policy, sink)`` for a Checkpointer attaching with runtime='ray'."""
     _require_ray()
     run = run_name(storage, run)
-    coord = get_or_create_coordinator(run, storage, full_every=config.full_every, batch_steps=config.batch_steps)
+    coord = get_or_create_coordinator(run, storage, full_every=config.full_every, batch_steps=config.batch_steps,
+                                      keep_fulls=config.keep_fulls)
     generation, policy = ray.get([coord.new_generation.remote(), coord.get_policy.remote()])
     sink = RaySink(run, storage, impl, generation, max_pending_bytes=config.max_pending_bytes,
                    batch_steps=config.batch_steps, memory_budget=config.memory_budget, info=info)

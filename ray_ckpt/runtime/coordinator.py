@@ -36,8 +36,9 @@ class _Entry:
 
 
 class Coordinator:
-    def __init__(self, run: str, storage, full_every: int, batch_steps: int):
+    def __init__(self, run: str, storage, full_every: int, batch_steps: int, keep_fulls: int = 0):
         self.run = run
+        self.keep_fulls = keep_fulls  # > 0: garbage-collect chains older than that many durable fulls
         self.storage = storage
         self.policy = FixedFrequencyPolicy(full_every, batch_steps)
         self.entries: dict[str, _Entry] = {}
@@ -101,6 +102,11 @@ class Coordinator:
         for n in covers:
             if n in self.entries and n != m.name:
                 self.entries[n].durable = True  # its steps are durable (inside the batch object)
+        if m.kind == "full" and self.keep_fulls > 0:
+            deleted = self.gc(self.keep_fulls)
+            if deleted:
+                log.info("ray_ckpt coordinator: garbage-collected %d objects older than the %d newest fulls",
+                         len(deleted), self.keep_fulls)
 
     def release(self, node_id: str, names: list[str]) -> None:
         for n in names:
@@ -193,7 +199,7 @@ class Coordinator:
     def gc(self, keep_fulls: int = 2) -> list[str]:
         """Delete chains older than the ``keep_fulls`` newest full checkpoints of the current timeline, from
         storage and from the memory tier. Returns the deleted object names."""
-        lin = self._lineage()
+        lin = self._lineage(durable_only=True)  # only durable fulls count as kept
         fulls = sorted((m for m in lin.manifests if m.kind == "full"),
                        key=lambda m: (m.last_step, m.generation))
         if len(fulls) <= keep_fulls:
@@ -222,7 +228,7 @@ class Coordinator:
 _remote_cls = None
 
 
-def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int):
+def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int, keep_fulls: int = 0):
     """The run's coordinator (created detached if missing). Any process connected to Ray."""
     global _remote_cls
     name = naming.coordinator_name(run)
@@ -234,7 +240,7 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
         _remote_cls = ray.remote(Coordinator)
     return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
                        max_restarts=-1, max_task_retries=-1, num_cpus=0).remote(run, storage, full_every,
-                                                                               batch_steps)
+                                                                               batch_steps, keep_fulls)
 
 
 def shutdown_run(run: str) -> None:
