@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import pytest
 
+from tests.ray_cluster import ray_cluster  # noqa: F401 - the session's multi-node Ray cluster
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Storage targets

@@ -14,7 +14,6 @@ import torch
 import ray_ckpt.train
 from tests import _training as T
 from tests._train_fn import train_loop
-from tests.ray_cluster import ray_cluster  # noqa: F401
 
 pytestmark = pytest.mark.ray
 

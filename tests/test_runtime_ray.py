@@ -12,7 +12,6 @@ import ray_ckpt
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import shutdown_run
 from tests import _training as T
-from tests.ray_cluster import ray_cluster  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.ray
 
