@@ -41,8 +41,12 @@ def ray_head():
     env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
     env.pop("RAY_ADDRESS", None)
-    gcs, dash = T.free_port(), T.free_port()
+    # every port explicit: another Ray on the machine (a benchmark, a developer's) must not collide with ours
+    gcs, dash, agent, agent_grpc, metrics, rtenv, nm, om, client = (T.free_port() for _ in range(9))
     cmd = [os.path.join(BIN, "ray"), "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
+           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+           f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rtenv}", f"--node-manager-port={nm}",
+           f"--object-manager-port={om}", f"--ray-client-server-port={client}",
            "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--temp-dir={tmp}/ray", "--num-cpus=3",
            "--memory=6000000000", "--object-store-memory=300000000", "--disable-usage-stats"]
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=180)
