@@ -53,17 +53,19 @@ class _Flush:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class AsyncWriter:
-    def __init__(self, storage, generation: int, impl, *, max_pending_bytes: int, write_retries: int = 3,
-                 info: dict | None = None,
-                 on_commit: Callable[[Manifest], None] | None = None):
-        self.storage = storage
-        self.generation = generation
+class BoundedSink:
+    """A bounded hand-off from the training thread to one background thread (the engine's writer, the Ray
+    runtime's sender). Subclasses implement ``_run`` (the thread body) on ``_queue`` entries
+    ``(item, size, close_batch)``, call :meth:`_release` when an item's bytes are no longer held, and
+    :meth:`_fail` on an unrecoverable error.
+
+    ``submit`` blocks while queued + unreleased bytes would exceed ``max_pending_bytes`` (setting ``_pressure``
+    so the thread can act early); ``flush`` waits until the thread has processed a marker; errors of the thread
+    are raised on the training thread at its next call.
+    """
+
+    def __init__(self, max_pending_bytes: int, thread_name: str):
         self.max_pending_bytes = max_pending_bytes
-        self.write_retries = write_retries
-        self.impl = impl
-        self.info = dict(info or {})
-        self.on_commit = on_commit
         self.stats = WriterStats()
         self._cv = threading.Condition()
         self._queue: collections.deque = collections.deque()
@@ -71,9 +73,10 @@ class AsyncWriter:
         self._pressure = False
         self._error: BaseException | None = None
         self._closing = False
-        self._batch: list[StepRecord] = []
-        self._thread = threading.Thread(target=self._run, name=f"ray_ckpt-writer-g{generation}", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
 
     # -- training thread -------------------------------------------------------------------------------------
     def submit(self, item, *, close_batch: bool = False) -> None:
@@ -96,6 +99,7 @@ class AsyncWriter:
             self._cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> None:
+        """Return once everything submitted so far is handled (training thread; blocks)."""
         marker = _Flush()
         with self._cv:
             self._raise_if_failed()
@@ -106,7 +110,7 @@ class AsyncWriter:
             with self._cv:
                 self._raise_if_failed()
                 if not self._thread.is_alive():
-                    raise WriterError("the writer thread is gone")
+                    raise WriterError("the background thread is gone")
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"flush did not finish within {timeout} s")
         with self._cv:
@@ -129,6 +133,40 @@ class AsyncWriter:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise WriterError(f"checkpoint writer failed: {self._error}") from self._error
+
+    # -- background thread -------------------------------------------------------------------------------------
+    def _release(self, size: int) -> None:
+        with self._cv:
+            self._pending_bytes -= size
+            self._cv.notify_all()
+
+    def _fail(self, e: BaseException, current=None) -> None:
+        """Record the error, unblock every waiter (flush markers included); later calls raise it."""
+        log.error("ray_ckpt: background thread failed: %s", e)
+        with self._cv:
+            self._error = e
+            for it, _, _ in self._queue:
+                if isinstance(it, _Flush):
+                    it.done.set()
+            self._queue.clear()
+            self._cv.notify_all()
+        if isinstance(current, _Flush):
+            current.done.set()
+
+
+class AsyncWriter(BoundedSink):
+    def __init__(self, storage, generation: int, impl, *, max_pending_bytes: int, write_retries: int = 3,
+                 info: dict | None = None,
+                 on_commit: Callable[[Manifest], None] | None = None):
+        super().__init__(max_pending_bytes, f"ray_ckpt-writer-g{generation}")
+        self.storage = storage
+        self.generation = generation
+        self.write_retries = write_retries
+        self.impl = impl
+        self.info = dict(info or {})
+        self.on_commit = on_commit
+        self._batch: list = []
+        self._thread.start()
 
     # -- writer thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -156,23 +194,8 @@ class AsyncWriter:
                     if close_batch or self._pressure:
                         self._write_batch()
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
-                log.error("ray_ckpt writer failed: %s", e)
-                with self._cv:
-                    self._error = e
-                    self._cv.notify_all()
-                    # unblock every waiter; later submits raise
-                    for it, _, _ in self._queue:
-                        if isinstance(it, _Flush):
-                            it.done.set()
-                    self._queue.clear()
-                if isinstance(entry, tuple) and isinstance(entry[0], _Flush):
-                    entry[0].done.set()
+                self._fail(e, entry[0] if isinstance(entry, tuple) else None)
                 return
-
-    def _release(self, size: int) -> None:
-        with self._cv:
-            self._pending_bytes -= size
-            self._cv.notify_all()
 
     def _write_batch(self) -> None:
         if not self._batch:

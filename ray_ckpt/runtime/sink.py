@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 import zlib
-from dataclasses import dataclass, field
 
 import numpy as np
 import ray
 
-from ray_ckpt.engine.writer import WriterError, WriterStats
+from ray_ckpt.engine.writer import BoundedSink, WriterError, _Flush
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
@@ -35,17 +33,12 @@ log = logging.getLogger("ray_ckpt")
 _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
-@dataclass
-class _Flush:
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class RaySink:
+class RaySink(BoundedSink):
     def __init__(self, run: str, storage, impl, generation: int, *, max_pending_bytes: int, batch_steps: int,
                  memory_budget: int, info: dict | None = None, max_inflight: int = 4,
                  submit_retries: int = 20):
+        super().__init__(max_pending_bytes, f"ray_ckpt-sender-g{generation}")
         self.run, self.storage, self.impl, self.generation = run, storage, impl, generation
-        self.max_pending_bytes = max_pending_bytes
         self.batch_steps = batch_steps
         self.memory_budget = memory_budget
         self.info = dict(info or {})
@@ -54,64 +47,8 @@ class RaySink:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.worker = get_or_create_worker(run, self.node_id, storage, memory_budget)
         ray.get(self.worker.ping.remote())  # started and ready before the first step is handed over
-        self.stats = WriterStats()
         self.handoff_seconds = 0.0  # sender-thread time to encode and hand objects to the worker
-        self._cv = threading.Condition()
-        self._queue: collections.deque = collections.deque()
-        self._pending_bytes = 0
-        self._error: BaseException | None = None
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"ray_ckpt-sender-g{generation}")
         self._thread.start()
-
-    # -- training thread ---------------------------------------------------------------------------------------
-    def submit(self, item, *, close_batch: bool = False) -> None:
-        size = item.nbytes
-        with self._cv:
-            self._raise_if_failed()
-            if self._pending_bytes and self._pending_bytes + size > self.max_pending_bytes:
-                t0 = time.perf_counter()
-                while (self._pending_bytes and self._pending_bytes + size > self.max_pending_bytes
-                       and self._error is None):
-                    self._cv.wait(0.5)
-                self.stats.stall_seconds += time.perf_counter() - t0
-                self._raise_if_failed()
-            self._pending_bytes += size
-            self._queue.append((item, size))
-            self._cv.notify_all()
-
-    def flush(self, timeout: float | None = None) -> None:
-        marker = _Flush()
-        with self._cv:
-            self._raise_if_failed()
-            self._queue.append((marker, 0))
-            self._cv.notify_all()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not marker.done.wait(0.2):
-            with self._cv:
-                self._raise_if_failed()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"flush did not finish within {timeout} s")
-        with self._cv:
-            self._raise_if_failed()
-
-    def close(self, timeout: float | None = None) -> None:
-        try:
-            if self._thread.is_alive():
-                self.flush(timeout)
-        finally:
-            with self._cv:
-                self._closing = True
-                self._cv.notify_all()
-            self._thread.join(timeout=5)
-
-    @property
-    def pending_bytes(self) -> int:
-        return self._pending_bytes
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise WriterError(f"ray_ckpt sender failed: {self._error}") from self._error
 
     # -- sender thread -------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -122,7 +59,7 @@ class RaySink:
                     self._cv.wait()
                 if self._closing and not self._queue:
                     return
-                item, size = self._queue.popleft()
+                item, size, _ = self._queue.popleft()
             try:
                 if isinstance(item, _Flush):
                     while inflight:
@@ -141,16 +78,7 @@ class RaySink:
                     while inflight and _ready(inflight[0][0]):
                         self._settle(inflight.popleft())
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
-                log.error("ray_ckpt sender failed: %s", e)
-                with self._cv:
-                    self._error = e
-                    for it, _ in self._queue:
-                        if isinstance(it, _Flush):
-                            it.done.set()
-                    self._queue.clear()
-                    self._cv.notify_all()
-                if isinstance(item, _Flush):
-                    item.done.set()
+                self._fail(e, item)
                 return
 
     def _encode(self, item) -> tuple[Manifest, np.ndarray]:
@@ -194,9 +122,7 @@ class RaySink:
             st.full_bytes += manifest.nbytes
         prev = st.last_committed_step
         st.last_committed_step = manifest.last_step if prev is None else max(prev, manifest.last_step)
-        with self._cv:
-            self._pending_bytes -= size
-            self._cv.notify_all()
+        self._release(size)
 
     def _call_worker(self, fn, what: str):
         for attempt in range(self.submit_retries):
