@@ -72,13 +72,17 @@ class Amber:
     #: absolute floor added to the bound (>= 1e-30 when set): elements near 0 are written only when they
     #: move more than this. 0: an element saved as 0 is written on any change.
     atol: float = 0.0
-    #: optimizer state tensors (Adam moments, momentum): "threshold" (the same rule with
-    #: ``optimizer_threshold``), "lossless" (bit-exact increments), "full" (only in full checkpoints: a restore
-    #: returns the moments of the latest full), or "auto" (lossless when ``threshold`` is 0, else "threshold").
-    #: Step counters are exact in every mode.
-    optimizer_state: str = "auto"
+    #: optimizer state tensors (Adam moments, momentum): "lossless" (bit-exact increments on the
+    #: ``optimizer_every`` schedule), "threshold" (the parameters' rule with ``optimizer_threshold``, on the same
+    #: schedule), or "full" (only in full checkpoints: a restore returns the moments of the latest full).
+    #: Step counters are exact in every mode. Default: lossless every 10 steps (see the figures above).
+    optimizer_state: str = "lossless"
     #: τ for optimizer state under "threshold" (in [0, 0.25]); None: the same as ``threshold``
     optimizer_threshold: float | None = None
+    #: compare the optimizer state at every this many steps only (and at fulls); in between a restore returns
+    #: it as of the latest such step. None: 1 when the parameters are lossless (bit-exact restores at every
+    #: step), else 10.
+    optimizer_every: int | None = None
     #: adaptive per-layer thresholds: the byte budget of one increment, as a fraction of the parameters'
     #: full bytes (e.g. 0.01). Each layer's threshold is then chosen per increment from its drift statistics
     #: (see ray_ckpt.engine.amber), between ``threshold`` and ``max_threshold``. None: fixed threshold.
@@ -86,7 +90,8 @@ class Amber:
     #: adaptive mode: the largest threshold a layer may get, in (0, 0.25]; the error bound's cap
     max_threshold: float = 0.1
     #: how written elements are encoded: "sparse" (indices or a bitmap, plus values), "xor" (XOR with the
-    #: last saved bits, byte planes, zstandard), or "auto" (xor for lossless increments, sparse otherwise)
+    #: last saved bits, byte planes, zstandard), or "auto": xor for bit-exact tensors and for 2-byte dtypes
+    #: (bfloat16, float16), sparse for lossy 4- and 8-byte ones (same size there, 2-3x faster)
     encoding: str = "auto"
     #: zstandard level of the "xor" encoding (1 = fastest)
     zstd_level: int = 1
@@ -112,12 +117,19 @@ class Amber:
         rel("optimizer_threshold", self.optimizer_threshold, allow_none=True)
         if not (self.atol == 0 or 1e-30 <= self.atol < float("inf")):
             raise ValueError(f"atol must be 0 or a finite value >= 1e-30, got {self.atol!r}")
-        if self.optimizer_state not in ("auto", "threshold", "lossless", "full"):
-            raise ValueError(f"optimizer_state must be 'auto', 'threshold', 'lossless' or 'full', got "
+        if self.optimizer_state not in ("threshold", "lossless", "full"):
+            raise ValueError(f"optimizer_state must be 'lossless', 'threshold' or 'full', got "
                              f"{self.optimizer_state!r}")
-        if self.optimizer_threshold is not None and self.optimizer_state not in ("auto", "threshold"):
-            raise ValueError(f"optimizer_threshold applies to optimizer_state='threshold', not "
-                             f"{self.optimizer_state!r}")
+        if self.optimizer_every is not None:
+            if isinstance(self.optimizer_every, bool) or not isinstance(self.optimizer_every, int) \
+                    or self.optimizer_every < 1:
+                raise ValueError(f"optimizer_every must be an integer >= 1 or None, got {self.optimizer_every!r}")
+            if self.optimizer_state == "full":
+                raise ValueError("optimizer_every applies to optimizer_state 'lossless' or 'threshold'; with 'full' "
+                                 "the optimizer state is only in full checkpoints")
+        if self.optimizer_threshold is not None and self.optimizer_state != "threshold":
+            raise ValueError(f"optimizer_threshold applies to optimizer_state='threshold' (it is "
+                             f"{self.optimizer_state!r}): pass both")
         if self.budget_fraction is not None:
             if not 0.0 < self.budget_fraction <= 1.0:
                 raise ValueError(f"budget_fraction must be in (0, 1] (a fraction of the parameters' full bytes), "
@@ -143,9 +155,13 @@ class Amber:
 
     @property
     def resolved_optimizer_state(self) -> str:
-        if self.optimizer_state != "auto":
-            return self.optimizer_state
-        return "lossless" if self.lossless else "threshold"
+        return self.optimizer_state
+
+    @property
+    def resolved_optimizer_every(self) -> int:
+        if self.optimizer_every is not None:
+            return self.optimizer_every
+        return 1 if self.lossless else 10
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -1,0 +1,518 @@
+"""Summaries of a benchmark run: medians and ratios, the markdown table, the PNG plot, the JSON file.
+
+Definitions (per job and configuration, over every measured step of every round):
+
+* ``median_step_s`` — median of the per-step wall times (rank 0; the ranks run in lockstep);
+* ``mean_step_s`` — mean of them: periodic work (a save every 10 steps, a full checkpoint every
+  ``full_every`` steps) shows here, not in the median;
+* ``overhead_pct`` — ``mean / mean(reference) - 1`` (amortized, what a whole run pays); ``overhead_median_pct``
+  the same with medians (the typical step); ``vs_ddp_pct`` — mean against plain DDP without checkpointing;
+* ``bytes_per_step`` — bytes persisted by the training loop's checkpoints (saves inside the loop, not the
+  attach-time full) / loop steps; ``fraction_of_full`` — that over the bytes of a full checkpoint's tensors
+  (model state_dict + AdamW state);
+* ``peak_rss_mb`` — RSS high-water mark of the checkpointing process (rank 0) during training, median over
+  segments (reset at the start of each forked segment process);
+* ``drain_s`` — time after the last step until every checkpoint taken is on storage (flush / wait).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+
+REFERENCE_DDP = "none"
+
+
+def _half_range(d: dict) -> float:
+    """Half the range of the values of ``d`` relative to their mean (0 with fewer than two)."""
+    v = [x for x in d.values() if x]
+    if len(v) < 2:
+        return 0.0
+    return (max(v) - min(v)) / 2 / (sum(v) / len(v))
+
+
+def verdict(value: float, noise: float, limit: float) -> str:
+    """``met`` when ``value + noise <= limit``, ``missed`` when ``value - noise > limit``, else ``inconclusive``."""
+    if value + noise <= limit:
+        return "met"
+    if value - noise > limit:
+        return "missed"
+    return "inconclusive"
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def machine_info(device: str = "auto") -> dict:
+    info = {"cpu": "unknown", "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_gb"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    import torch
+    info["torch"] = torch.__version__
+    try:
+        import ray
+        info["ray"] = ray.__version__
+    except ImportError:
+        info["ray"] = None
+    try:
+        import ray_ckpt
+        info["ray_ckpt"] = ray_ckpt.__version__
+    except ImportError:
+        pass
+    if device != "cpu" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+        try:
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001
+            pass
+    return info
+
+
+def summarize_config(segs: list[dict], cfg=None, settings: dict | None = None) -> dict:
+    r0 = [s["ranks"][0] for s in segs]
+    steps = [t for r in r0 for t in r["step_s"]]
+    loop_steps = [len(r["step_s"]) + len(r.get("warmup_s", [])) for r in r0]
+    every = getattr(cfg, "every", 1)
+    out = {"segments": len(segs), "samples": len(steps),
+           "median_step_s": _median(steps), "mean_step_s": sum(steps) / len(steps) if steps else None,
+           "round_means_s": {s["round"]: sum(r["step_s"]) / len(r["step_s"]) for s, r in zip(segs, r0)},
+           "round_medians_s": {s["round"]: _median(r["step_s"]) for s, r in zip(segs, r0)},
+           "round_cpu_s": {s["round"]: sum(x.get("cpu_s", 0) + x.get("aux_cpu_s", 0) for x in s["ranks"])
+                           / len(s["ranks"][0]["step_s"]) for s in segs},
+           "drain_s": _median([r.get("drain_s") for r in r0]),
+           "bytes_per_step": _median([r.get("bytes_loop", 0) / n for r, n in zip(r0, loop_steps)]),
+           "full_ckpt_bytes": _median([r.get("full_ckpt_bytes") for r in r0]),
+           "param_count": r0[0].get("param_count"),
+           "cpu_per_step_s": _median([sum(x.get("cpu_s", 0) + x.get("aux_cpu_s", 0) for x in sg["ranks"])
+                                      / len(sg["ranks"][0]["step_s"]) for sg in segs]),
+           "aux_cpu_per_step_s": _median([sum(x.get("aux_cpu_s", 0) for x in sg["ranks"]) / len(sg["ranks"][0]["step_s"])
+                                          for sg in segs]),
+           "thread_cpu_median_s": _median([t for r in r0 for t in r.get("thread_cpu_step_s", [])]),
+           "loadavg_median": _median([x for sg in segs for x in sg.get("loadavg", [])]),
+           "peak_rss_mb": _median([r.get("peak_rss_train", r.get("peak_rss")) for r in r0]),
+           "peak_rss_all_ranks_mb": _median([max(x.get("peak_rss_train", x.get("peak_rss", 0)) for x in s["ranks"])
+                                             for s in segs])}
+    for k in ("peak_rss_mb", "peak_rss_all_ranks_mb"):
+        if out[k] is not None:
+            out[k] = out[k] / (1 << 20)
+    if every > 1:  # a periodic save: its size over its period (the window may hold more or fewer saves)
+        per_save = [r.get("bytes_loop", 0) / r["saves"] for r in r0 if r.get("saves")]
+        if per_save:
+            out["bytes_per_step"] = _median(per_save) / every
+    if out["bytes_per_step"] is not None and out["full_ckpt_bytes"]:
+        out["fraction_of_full"] = out["bytes_per_step"] / out["full_ckpt_bytes"]
+    if any("diff_bytes" in r for r in r0):
+        out["diff_bytes_per_step"] = _median([r["diff_bytes"] / n for r, n in zip(r0, loop_steps) if "diff_bytes" in r])
+        out["full_object_bytes"] = _median([r.get("full_object_bytes") for r in r0])
+        if all(r.get("attach_full_bytes") is not None for r in r0):  # fulls in the loop (with optimizer state)
+            out["full_object_bytes"] = _median([(r["full_bytes"] - r["attach_full_bytes"]) / r["in_loop_fulls"]
+                                                for r in r0 if r.get("in_loop_fulls")])
+        if out["full_ckpt_bytes"]:
+            out["diff_fraction_of_full"] = out["diff_bytes_per_step"] / out["full_ckpt_bytes"]
+        # one full per full_every steps (the window of a segment may hold more or fewer than that share)
+        fe = (getattr(cfg, "full_every", None) or (settings or {}).get("full_every"))
+        if fe and out.get("full_object_bytes") is not None:
+            out["bytes_per_step"] = out["diff_bytes_per_step"] + out["full_object_bytes"] / fe
+            if out["full_ckpt_bytes"]:
+                out["fraction_of_full"] = out["bytes_per_step"] / out["full_ckpt_bytes"]
+        stats = [r["stats"] for r in r0 if "stats" in r]
+        if stats:
+            n = [len(r["step_s"]) + len(r.get("warmup_s", [])) for r in r0 if "stats" in r]
+            out["per_step_ms"] = {k: _median([st.get(k, 0) / m * 1e3 for st, m in zip(stats, n)])
+                                  for k in ("capture_seconds", "encode_seconds", "write_seconds", "stall_seconds")}
+    if any("uncommitted_lag" in r for r in r0):
+        lags = [x for r in r0 for x in r.get("uncommitted_lag", [])]
+        if lags:
+            out["uncommitted_lag_median"] = _median(lags)
+            out["uncommitted_lag_max"] = max(lags)
+    rec: dict[str, list] = {}
+    for r in r0:
+        for k, v in (r.get("recovery") or {}).items():
+            rec.setdefault(k, []).append(v)
+    if rec:
+        out["recovery"] = {k: {"seconds": _median([x["seconds"] for x in v]), "step": v[-1].get("step"),
+                               "samples": [s for x in v for s in x.get("samples", [])]} for k, v in rec.items()}
+    if segs[0].get("fit_s") is not None:
+        out["fit_s"] = segs[0]["fit_s"]
+    return out
+
+
+def build(raw: dict, settings: dict, all_configs) -> dict:
+    cfg_by_name = {c.name: c for c in all_configs}
+    jobs_out = {}
+    for job in [j for j in dict.fromkeys(s["job"] for s in raw["segments"])]:
+        segs = [s for s in raw["segments"] if s["job"] == job]
+        summ = {}
+        for name in dict.fromkeys(s["config"] for s in segs):
+            summ[name] = summarize_config([s for s in segs if s["config"] == name], cfg_by_name.get(name), settings)
+        for name, s in summ.items():
+            c = cfg_by_name[name]
+            ref = summ.get(c.reference)
+            s["reference"] = c.reference
+            if ref and ref.get("mean_step_s"):
+                s["overhead_pct"] = 100 * (s["mean_step_s"] / ref["mean_step_s"] - 1)
+                s["overhead_median_pct"] = 100 * (s["median_step_s"] / ref["median_step_s"] - 1)
+                paired = [s["round_means_s"][r] / ref["round_means_s"][r] - 1 for r in s["round_means_s"]
+                          if r in ref["round_means_s"]]
+                s["overhead_paired_rounds_pct"] = [100 * p for p in paired]
+                if ref.get("cpu_per_step_s") and s.get("cpu_per_step_s") is not None:
+                    s["overhead_cpu_pct"] = 100 * (s["cpu_per_step_s"] / ref["cpu_per_step_s"] - 1)
+                    s["overhead_cpu_paired_rounds_pct"] = [
+                        100 * (s["round_cpu_s"][r] / ref["round_cpu_s"][r] - 1) for r in s["round_cpu_s"]
+                        if r in ref["round_cpu_s"] and ref["round_cpu_s"][r]]
+                # noise: the spread of the round means of this configuration and of its reference
+                s["noise_pct"] = 100 * (_half_range(s["round_means_s"]) ** 2 + _half_range(ref["round_means_s"]) ** 2) ** 0.5
+                s["noise_median_pct"] = 100 * (_half_range(s["round_medians_s"]) ** 2
+                                               + _half_range(ref["round_medians_s"]) ** 2) ** 0.5
+                s["noise_cpu_pct"] = 100 * (_half_range(s["round_cpu_s"]) ** 2 + _half_range(ref["round_cpu_s"]) ** 2) ** 0.5
+                if ref.get("thread_cpu_median_s") and s.get("thread_cpu_median_s") is not None:
+                    s["overhead_thread_cpu_pct"] = 100 * (s["thread_cpu_median_s"] / ref["thread_cpu_median_s"] - 1)
+            ddp = summ.get(REFERENCE_DDP)
+            if ddp and ddp.get("mean_step_s") and c.launcher == "mp":
+                s["vs_ddp_pct"] = 100 * (s["mean_step_s"] / ddp["mean_step_s"] - 1)
+            if ref and s.get("peak_rss_mb") is not None and ref.get("peak_rss_mb") is not None:
+                s["extra_rss_mb"] = s["peak_rss_mb"] - ref["peak_rss_mb"]
+            lost = [f for f in raw["failures"] if f["job"] == job and f["config"] == name]
+            if lost:
+                s["steps_lost"] = [f["lost"] for f in lost]
+                s["crash_trials"] = lost
+        jobs_out[job] = {"configs": summ, "targets": targets(summ)}
+        est = full_cost_estimate(summ, settings)
+        if est:
+            jobs_out[job]["lowdiff_full_cost_estimate"] = est
+            jobs_out[job]["targets"]["lowdiff_topk_overhead_at_full_every_100_estimate"] = {
+                "value_pct": est["overhead_pct_at"]["100"], "noise_pct": est["noise_pct"],
+                "verdict": verdict(est["overhead_pct_at"]["100"], est["noise_pct"], 2.0)}
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "machine": machine_info(settings.get("device", "auto")), "settings": settings, "jobs": jobs_out,
+            "errors": raw["errors"], "wall_s": raw["wall_s"], "raw": {"segments": raw["segments"],
+                                                                      "failures": raw["failures"]},
+            "definitions": __doc__}
+
+
+def full_cost_estimate(summ: dict, settings: dict) -> dict | None:
+    """Split LowDiff top-k's measured overhead into a per-diff-step part (``lowdiff_topk_nofull``: no full in the
+    measured window) and the cost of one full checkpoint (``lowdiff_topk`` has exactly one in its window of
+    ``steps`` steps), then re-amortize the full over other periods: ``(d + f / F) / reference step``. An
+    estimate from differences of noisy means; the measured figure is ``lowdiff_topk``'s own overhead."""
+    ld, nf, ref = summ.get("lowdiff_topk"), summ.get("lowdiff_topk_nofull"), summ.get("topk_none")
+    if not (ld and nf and ref and ref.get("mean_step_s")):
+        return None
+    steps, fe = settings["steps"], settings["full_every"]
+    if not settings["warmup"] < fe <= settings["warmup"] + steps:
+        return None  # the full does not fall inside the measured window
+    t = ref["mean_step_s"]
+    d = nf["mean_step_s"] - t                           # seconds per diff step
+    f = (ld["mean_step_s"] - nf["mean_step_s"]) * steps  # seconds per full checkpoint (one per window)
+    at = {str(F): 100 * (d + f / F) / t for F in (fe, 50, 100)}
+    return {"diff_step_overhead_pct": 100 * d / t, "full_cost_s": f, "full_cost_steps": f / t,
+            "overhead_pct_at": at, "noise_pct": nf.get("noise_pct", 0.0)}
+
+
+def targets(summ: dict) -> dict:
+    """The issue's targets on the measured figures. Step-time targets are judged twice, on wall time (mean
+    step) and on CPU per step, each with its noise (the spread of round means of the configuration and its
+    reference): ``met`` / ``missed`` only when the whole noise band is on one side of the limit, else
+    ``inconclusive``."""
+    t = {}
+    ld = summ.get("lowdiff_topk")
+    if ld and "overhead_pct" in ld:
+        for basis, key, nkey in (("wall_median_step", "overhead_median_pct", "noise_median_pct"),
+                                 ("wall_mean_step", "overhead_pct", "noise_pct"),
+                                 ("cpu", "overhead_cpu_pct", "noise_cpu_pct")):
+            if ld.get(key) is None:
+                continue
+            v, n = ld[key], ld.get(nkey, 0.0)
+            t[f"lowdiff_topk_overhead_le_2pct_{basis}"] = {"value_pct": v, "noise_pct": n,
+                                                          "verdict": verdict(v, n, 2.0)}
+            for other in ("torch_save_1", "dcp_async"):
+                o = summ.get(other)
+                if not o or o.get(key) is None:
+                    continue
+                ov, on = o[key], o.get(nkey, 0.0)
+                lo = (ov - on) / max(v + n, 0.1)            # the least favourable reading of both
+                hi = (ov + on) / max(v - n, 0.1)            # the most favourable
+                t[f"10x_less_than_{other}_{basis}"] = {
+                    "baseline_pct": ov, "lowdiff_pct": v, "ratio_low": lo, "ratio_high": hi,
+                    "verdict": "met" if lo >= 10 else ("missed" if hi < 10 else "inconclusive")}
+        if "diff_fraction_of_full" in ld:
+            t["bytes_per_step_le_1pct"] = {"diff_only_pct": 100 * ld["diff_fraction_of_full"],
+                                           "with_fulls_pct": 100 * ld.get("fraction_of_full", float("nan")),
+                                           "verdict": "met" if ld["diff_fraction_of_full"] <= 0.01 else "missed"}
+    lr = summ.get("lowdiff_topk_ray")
+    rec = (lr or {}).get("recovery") or {}
+    for point in ("latest", "chain", "full"):
+        m, d = rec.get(f"memory_{point}"), rec.get(f"durable_{point}")
+        if m and d and m["seconds"]:
+            sp = d["seconds"] / m["seconds"]
+            t[f"memory_vs_durable_{point}"] = {"speedup": sp, "memory_s": m["seconds"], "durable_s": d["seconds"],
+                                               "verdict": "met" if sp >= 3 else "missed"}
+    lost = (lr or {}).get("steps_lost")
+    if lost:
+        t["lowdiff_ray_steps_lost_le_1"] = {"lost": lost, "verdict": "met" if max(lost) <= 1 else "missed"}
+    return t
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _fmt(x, spec=".1f", none="–"):
+    return none if x is None else format(x, spec)
+
+
+def _pct(x):
+    return "–" if x is None else f"{x:+.1f}%"
+
+
+def _bytes(n):
+    if n is None:
+        return "–"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def markdown(result: dict, all_configs) -> str:
+    m, st = result["machine"], result["settings"]
+    labels = {c.name: c.label for c in all_configs}
+    lines = [f"# ray_ckpt benchmark — mode `{st['mode']}`", "",
+             f"- date: {result['date']}",
+             f"- machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('mem_gb', '?')} GB RAM"
+             + (f"; GPU {m['gpu']} x{m.get('gpu_count')} (CUDA {m.get('cuda')}, NCCL {m.get('nccl')})" if m.get("gpu") else "; no GPU"),
+             f"- software: torch {m.get('torch')}, ray {m.get('ray')}, ray_ckpt {m.get('ray_ckpt')}, "
+             f"Python {m.get('python')}",
+             f"- setup: {st['world']} data-parallel processes x {st['threads']} torch thread(s), device "
+             f"`{st['device']}`; {st['rounds']} interleaved round(s) of {st['warmup']} warm-up + {st['steps']} measured "
+             f"steps per configuration; top-k ratio {st['topk_ratio']}; LowDiff/Amber full every {st['full_every']} "
+             f"steps, {st['batch_steps']} steps per diff object; Ray Train poll "
+             f"(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S) {st['raytrain_poll_s']} s (Ray's default: 2 s)",
+             f"- wall time: {result['wall_s'] / 60:.1f} min", ""]
+    for name, why in st.get("skipped", {}).items():
+        lines.append(f"- **{name}**: {why}")
+    for job, j in result["jobs"].items():
+        c = j["configs"]
+        any_c = next(iter(c.values()))
+        lines += ["", f"## {job}: {any_c.get('param_count', 0) / 1e6:.2f}M parameters, full checkpoint "
+                      f"(model + AdamW state) {_bytes(any_c.get('full_ckpt_bytes'))}", "",
+                  f"Load average during this job: median {_fmt(_median([x.get('loadavg_median') for x in c.values()]), '.1f')} "
+                  f"on {m.get('cores')} cores (other work on the machine adds noise to wall times; the CPU columns "
+                  "are less sensitive to it).", "",
+                  "| configuration | reference | step ms (median) | overhead (mean step) | per round | noise ± "
+                  "| overhead (median step) | noise ± | CPU/step overhead | CPU noise ± | train-thread CPU "
+                  "| vs plain DDP | bytes/step | % of full | peak RSS rank 0 | drain s | steps lost |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, s in c.items():
+            lost = s.get("steps_lost")
+            ref_label = labels.get(s['reference'], s['reference']) if s['reference'] != name else '—'
+            lines.append(
+                f"| {labels.get(name, name)} | {ref_label} | {_fmt(s['median_step_s'] * 1e3)} "
+                f"| {_pct(s.get('overhead_pct'))} "
+                f"| {'/'.join(f'{x:+.0f}' for x in s.get('overhead_paired_rounds_pct', [])) if name != s['reference'] else '–'} "
+                f"| {_fmt(s.get('noise_pct'), '.1f')} | {_pct(s.get('overhead_median_pct'))} "
+                f"| {_fmt(s.get('noise_median_pct'), '.1f')} "
+                f"| {_pct(s.get('overhead_cpu_pct'))} | {_fmt(s.get('noise_cpu_pct'), '.1f')} "
+                f"| {_pct(s.get('overhead_thread_cpu_pct'))} "
+                f"| {_pct(s.get('vs_ddp_pct'))} "
+                f"| {_bytes(s.get('bytes_per_step'))} | {_fmt(100 * s['fraction_of_full'] if 'fraction_of_full' in s else None, '.2f')} "
+                f"| {_fmt(s.get('peak_rss_mb'), '.0f')} MB | {_fmt(s.get('drain_s'), '.2f')} "
+                f"| {', '.join(map(str, lost)) if lost else '–'} |")
+        extra = []
+        for name, s in c.items():
+            if "diff_bytes_per_step" in s:
+                extra.append(f"- {labels.get(name, name)}: diffs alone {_bytes(s['diff_bytes_per_step'])}/step = "
+                             f"{100 * s['diff_fraction_of_full']:.2f}% of a full checkpoint; with one full "
+                             f"({_bytes(s.get('full_object_bytes'))} encoded) every {st['full_every']} steps "
+                             f"{100 * s.get('fraction_of_full', 0):.2f}%"
+                             + (f"; per step: capture {s['per_step_ms']['capture_seconds']:.2f} ms (training thread), "
+                                f"encode {s['per_step_ms']['encode_seconds']:.2f} ms + write "
+                                f"{s['per_step_ms']['write_seconds']:.2f} ms (background), stall "
+                                f"{s['per_step_ms']['stall_seconds']:.2f} ms" if s.get("per_step_ms") else ""))
+            if "uncommitted_lag_median" in s:
+                extra.append(f"- {labels.get(name, name)}: steps since the newest checkpoint handed to the Ray Train "
+                             f"controller, at each step end: median {s['uncommitted_lag_median']}, max "
+                             f"{s['uncommitted_lag_max']} (a crash loses at least this many; committed only at the "
+                             f"next poll); fit() {_fmt(s.get('fit_s'))} s incl. worker start-up")
+            if s.get("overhead_paired_rounds_pct") and len(s["overhead_paired_rounds_pct"]) > 1 and name != s["reference"]:
+                pass
+        est = j.get("lowdiff_full_cost_estimate")
+        if est:
+            at = est["overhead_pct_at"]
+            extra.append(f"- LowDiff top-k, split (estimate from the two LowDiff rows): a diff step costs "
+                         f"{est['diff_step_overhead_pct']:+.1f}% of a step, one full checkpoint {est['full_cost_s']:.2f} s "
+                         f"(= {est['full_cost_steps']:.2f} steps); amortized overhead with a full every "
+                         + ", ".join(f"{F} steps: {v:+.1f}%" for F, v in at.items()))
+        if extra:
+            lines += [""] + extra
+        rec_rows = []
+        for name, s in c.items():
+            for k, v in (s.get("recovery") or {}).items():
+                rec_rows.append(f"| {labels.get(name, name)} | {k.replace('_', ' ')} | {v.get('step')} "
+                                f"| {v['seconds']:.3f} |")
+        if rec_rows:
+            lines += ["", "Recovery (fresh model + optimizer, restore, load_state_dict; median). LowDiff points: "
+                          "*latest* = last step, *chain* = the step before the in-loop full (longest replay, "
+                          f"{st['full_every'] - 1} diffs), *full* = a full-checkpoint step (no replay). *memory* = "
+                          "restore(runtime='ray') from the object store, *durable* = from storage (local disk, "
+                          "page cache warm).", "",
+                      "| configuration | what | step | seconds |", "|---|---|---:|---:|"] + rec_rows
+        if j["targets"]:
+            lines += ["", "Targets:", ""]
+            for k, v in j["targets"].items():
+                vals = ", ".join(f"{kk}={_fmt(vv, '.3g') if isinstance(vv, float) else vv}" for kk, vv in v.items()
+                                 if kk != "verdict")
+                verd = v["verdict"] if v["verdict"] == "met" else f"**{v['verdict']}**"
+                lines.append(f"- {k}: {vals} — {verd}")
+    if result["errors"]:
+        lines += ["", "## Errors", ""] + [f"- `{json.dumps(e)[:600]}`" for e in result["errors"]]
+    lines += ["", "Definitions: *overhead (mean step)* = mean wall time per step / the reference's - 1 (amortized: "
+                  "periodic saves and spill-over of background work included); *(median step)* = the same with "
+                  "medians (the typical step). *CPU/step* = CPU seconds of every training process (all threads) "
+                  "plus the ray_ckpt actors (runtime='ray'), from the first measured step through the drain, per "
+                  "step, against the reference's. *train-thread CPU* = median CPU time of the training thread per "
+                  "step (work on the critical path). *vs plain DDP* = mean step against DDP without compression "
+                  "or checkpointing. *Bytes/step* = bytes the loop's checkpoints persisted / loop steps. *Steps "
+                  "lost* = step reached when rank 0 was SIGKILLed - step a fresh process restored (0 = nothing "
+                  "committed: start over)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str, all_configs) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    labels = {c.name: c.label for c in all_configs}
+    ours = ("lowdiff", "amber")
+    jobs = list(result["jobs"])
+    fig, axes = plt.subplots(len(jobs), 2, figsize=(16, 1.8 + 4.6 * len(jobs)), squeeze=False)
+    for row, job in enumerate(jobs):
+        c = result["jobs"][job]["configs"]
+        names = [n for n in c if c[n]["reference"] != n]
+        y = list(range(len(names)))[::-1]
+        ax = axes[row][0]
+        mean = [c[n].get("overhead_pct") or 0.0 for n in names]
+        colors = ["tab:green" if n.startswith(ours) else ("tab:gray" if n == "topk_none" else "tab:red")
+                  for n in names]
+        ax.barh(y, mean, color=colors, alpha=0.75)
+        med = [c[n].get("overhead_median_pct") or 0.0 for n in names]
+        cpu = [c[n].get("overhead_cpu_pct") or 0.0 for n in names]
+        ax.scatter(med, y, color="black", marker="|", s=220, zorder=3)
+        ax.scatter(cpu, y, color="tab:blue", marker="D", s=22, zorder=3)
+        for yi, v in zip(y, mean):
+            ax.annotate(f"{v:+.1f}%", (v, yi), xytext=(6 if v >= 0 else -6, 7), textcoords="offset points",
+                        va="center", ha="left" if v >= 0 else "right", fontsize=8)
+        ax.set_xscale("symlog", linthresh=2.0, linscale=0.6)
+        ax.set_yticks(y)
+        ax.set_yticklabels([f"{labels.get(n, n)}\nvs {labels.get(c[n]['reference'], c[n]['reference'])}"
+                            for n in names], fontsize=8)
+        ax.axvline(0, color="black", lw=0.8)
+        ax.axvline(2.0, color="tab:green", ls=":", lw=0.8)
+        ax.set_xlabel("overhead vs reference, % (symlog: linear within ±2%)")
+        ax.set_title(f"{job}: step-time overhead")
+        ax.grid(axis="x", alpha=0.3)
+        lo_x = min([0.0] + mean + med + cpu)
+        hi_x = max([5.0] + mean + med + cpu)
+        ticks = [t for t in (-100, -50, -20, -10, -5, -2, 0, 2, 5, 10, 20, 50, 100, 500, 1000, 5000)
+                 if lo_x * 1.05 - 1 <= t <= hi_x * 1.05 + 1]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t:g}%" for t in ticks], fontsize=8)
+        ax.set_xlim(min(lo_x * 1.6, -1.0), hi_x * 2.5)
+        ax = axes[row][1]
+        bnames = [n for n in names if c[n].get("bytes_per_step")]
+        yb = list(range(len(bnames)))[::-1]
+        frac = [100 * c[n].get("fraction_of_full", 0) for n in bnames]
+        ax.barh(yb, frac, color=["tab:green" if n.startswith(ours) else "tab:red" for n in bnames], alpha=0.75)
+        diff = [(yi, 100 * c[n]["diff_fraction_of_full"]) for yi, n in zip(yb, bnames) if "diff_fraction_of_full" in c[n]]
+        if diff:
+            ax.scatter([d for _, d in diff], [yi for yi, _ in diff], color="black", marker="o", s=18, zorder=3)
+        for yi, n, v in zip(yb, bnames, frac):
+            ax.annotate(f"{_bytes(c[n]['bytes_per_step'])}/step = {v:.3g}%", (v, yi), xytext=(5, 0),
+                        textcoords="offset points", va="center", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_yticks(yb)
+        ax.set_yticklabels([labels.get(n, n) for n in bnames], fontsize=8)
+        ax.axvline(1.0, color="tab:blue", ls="--", lw=0.8)
+        ax.set_xlabel("bytes persisted per step, % of a full checkpoint (model + AdamW state), log scale")
+        full = next(iter(c.values())).get("full_ckpt_bytes")
+        ax.set_title(f"{job}: bytes per step (a full checkpoint = {_bytes(full)})")
+        ax.grid(axis="x", alpha=0.3, which="major")
+        lo = min(frac + [d for _, d in diff] + [1.0]) / 3 if frac else 0.1
+        ax.set_xlim(lo, max(frac + [100.0]) * 15)
+
+    fig.legend(handles=[Patch(color="tab:red", alpha=0.75, label="baseline: mean step (amortized)"),
+                        Patch(color="tab:green", alpha=0.75, label="ray_ckpt: mean step (amortized)"),
+                        Patch(color="tab:gray", alpha=0.75, label="top-k compression itself (vs plain DDP)"),
+                        Line2D([], [], color="black", marker="|", ls="", markersize=12, label="median step"),
+                        Line2D([], [], color="tab:blue", marker="D", ls="", markersize=5,
+                               label="CPU per step (all processes + ray_ckpt actors)"),
+                        Line2D([], [], color="tab:green", ls=":", label="2% target")],
+               fontsize=8, loc="lower center", bbox_to_anchor=(0.27, 0.0), ncol=3, frameon=False)
+    fig.legend(handles=[Patch(color="tab:green", alpha=0.75, label="ray_ckpt (diffs + its periodic fulls)"),
+                        Patch(color="tab:red", alpha=0.75, label="baselines"),
+                        Line2D([], [], color="black", marker="o", ls="", markersize=4, label="ray_ckpt diffs alone"),
+                        Line2D([], [], color="tab:blue", ls="--", label="1% target")],
+               fontsize=8, loc="lower center", bbox_to_anchor=(0.76, 0.0), ncol=2, frameon=False)
+    m = result["machine"]
+    st = result["settings"]
+    fig.suptitle(f"ray_ckpt benchmark ({st['mode']}), {result['date'][:10]}: {m.get('cpu')}, {m.get('cores')} cores"
+                 + (f", {m['gpu']}" if m.get("gpu") else ", CPU only") + f"; torch {m.get('torch')}, ray {m.get('ray')}; "
+                 f"{st['world']} DDP ranks, {st['rounds']} rounds x {st['steps']} steps, full every {st['full_every']}",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.3 / len(jobs) * 0.35 + 0.02, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_all(result: dict, out_dir: str, mode: str) -> list[str]:
+    from benchmarks import configs
+    os.makedirs(out_dir, exist_ok=True)
+    pj, pm, pp = (os.path.join(out_dir, f"bench_{mode}.{ext}") for ext in ("json", "md", "png"))
+    with open(pj, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(pm, "w") as f:
+        f.write(markdown(result, configs.CONFIGS))
+    plot(result, pp, configs.CONFIGS)
+    return [pj, pm, pp]
+
+
+def main(argv=None) -> int:
+    """``python -m benchmarks.report results/bench_<mode>.json``: rebuild the summary, markdown and plot from
+    the raw samples a run saved (e.g. after changing the report)."""
+    import argparse
+
+    from benchmarks import configs
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report")
+    p.add_argument("json")
+    p.add_argument("--out", help="folder (default: the JSON's)")
+    a = p.parse_args(argv)
+    with open(a.json) as f:
+        old = json.load(f)
+    raw = {"segments": old["raw"]["segments"], "failures": old["raw"]["failures"], "errors": old["errors"],
+           "wall_s": old["wall_s"]}
+    result = build(raw, old["settings"], configs.CONFIGS)
+    result["date"], result["machine"] = old["date"], old["machine"]
+    for path in write_all(result, a.out or os.path.dirname(os.path.abspath(a.json)), old["settings"]["mode"]):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

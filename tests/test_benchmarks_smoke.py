@@ -1,0 +1,51 @@
+"""Smoke test of the benchmark harness: ``python -m benchmarks.run --smoke`` end to end (every configuration,
+the crash-and-restore trials, the JSON / markdown / PNG outputs). Never asserts timings."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_smoke(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out),
+                           "--workdir", str(tmp_path / "w")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    log = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, log
+
+    result = json.loads((out / "bench_smoke.json").read_text())
+    assert (out / "bench_smoke.md").stat().st_size > 0
+    assert (out / "bench_smoke.png").stat().st_size > 0
+    assert result["errors"] == [], log
+
+    from benchmarks import configs
+    expected = {c.name for c in configs.CONFIGS} - set(result["settings"]["skipped"])
+    got = result["jobs"]["gpt-tiny"]["configs"]
+    assert set(got) == expected, log
+    for name, s in got.items():
+        assert s["median_step_s"] > 0 and s["mean_step_s"] > 0, name
+        assert s["samples"] == result["settings"]["steps"] * result["settings"]["rounds"], name
+        if configs.get(name).saver not in ("none",):
+            assert s["bytes_per_step"] > 0, name
+            assert s["fraction_of_full"] > 0, name
+    # every checkpointing configuration took part in the crash-and-restore trial and restored a step <= reached
+    for name in expected:
+        c = configs.get(name)
+        if c.fail_test and c.launcher == "mp":
+            trials = got[name]["crash_trials"]
+            assert trials and all(0 <= t["restored"] <= t["reached"] for t in trials), name
+    lowdiff = got["lowdiff_topk_ray"]["recovery"]
+    assert {"memory_latest", "durable_latest"} <= set(lowdiff)
+    md = (out / "bench_smoke.md").read_text()
+    assert "LowDiff top-k (ray)" in md and "torch" in md
