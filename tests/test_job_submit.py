@@ -1,5 +1,5 @@
 """`ray job submit` of the example against a Ray head started here with `ray start` (own ports, own temp dir,
-auth disabled consistently, stopped by PID — never `ray stop`)."""
+auth disabled consistently, stopped by PID — never the CLI's global stop, which would kill every Ray here)."""
 from __future__ import annotations
 
 import json
