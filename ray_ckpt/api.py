@@ -46,7 +46,7 @@ class Checkpointer:
                  storage_options: dict | None = None, start_step: int | None = None,
                  max_pending_bytes: int | None = None, capture_rng: bool | None = None,
                  runtime: str = "local", run: str | None = None, memory_budget: int | None = None,
-                 keep_fulls: int | None = None):
+                 keep_fulls: int | None = None, replica: bool | None = None, handoff_delay: float | None = None):
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -57,7 +57,8 @@ class Checkpointer:
                              f"actors), got {runtime!r}")
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng,
-                                               memory_budget=memory_budget, keep_fulls=keep_fulls)
+                                               memory_budget=memory_budget, keep_fulls=keep_fulls,
+                                               replica=replica, handoff_delay=handoff_delay)
         self.runtime = runtime
         self.strategy = strategy
         self.storage = open_uri(uri, storage_options)
@@ -79,14 +80,15 @@ class Checkpointer:
             from ray_ckpt.runtime.client import attach_sink
             self.run, self.generation, policy, self._writer = attach_sink(
                 self.storage, impl, run=run, config=self.config, info=info)
+        fp_every = self.config.fingerprint_every if getattr(self._writer, "replica_enabled", False) else 0
         self._capture = impl.make_capture(model, optimizer, self._writer, policy, start_step=start_step,
                                           scheduler=scheduler, scaler=scaler, extra_state=extra_state,
-                                          capture_rng=self.config.capture_rng)
+                                          capture_rng=self.config.capture_rng, fingerprint_every=fp_every)
         self._closed = False
         try:
             self._writer.submit(self._capture.snapshot_now())
-            if runtime == "ray":  # recoverable from the moment attach returns (and the worker is warm)
-                self._writer.flush()
+            if runtime == "ray":  # held on two nodes (durable on a one-node cluster) when attach returns
+                self._writer.wait_safe()
         except BaseException:
             self._capture.detach()
             self._writer.close()
@@ -121,13 +123,23 @@ class Checkpointer:
             self._capture.detach()
 
     def stats(self) -> dict:
-        """Counters for logs and benchmarks: bytes written, stalls, capture time."""
+        """Counters for logs and benchmarks (training process). ``runtime="ray"`` adds the node worker's and
+        the replica's figures (one actor call each): ``write_seconds``/``durable_bytes`` are the worker's
+        durable writes, ``encode_seconds`` the sender thread's encode + hand-off time."""
         s = self._writer.stats
-        return {"step": self.step, "generation": self.generation, "last_committed_step": s.last_committed_step,
-                "objects_written": s.objects_written, "bytes_written": s.bytes_written,
-                "diff_bytes": s.diff_bytes, "full_bytes": s.full_bytes, "stall_seconds": s.stall_seconds,
-                "write_seconds": s.write_seconds, "encode_seconds": s.encode_seconds,
-                "capture_seconds": self._capture.capture_seconds, "pending_bytes": self._writer.pending_bytes}
+        out = {"step": self.step, "generation": self.generation, "last_committed_step": s.last_committed_step,
+               "objects_written": s.objects_written, "bytes_written": s.bytes_written,
+               "diff_bytes": s.diff_bytes, "full_bytes": s.full_bytes, "stall_seconds": s.stall_seconds,
+               "write_seconds": s.write_seconds, "encode_seconds": s.encode_seconds,
+               "capture_seconds": self._capture.capture_seconds, "pending_bytes": self._writer.pending_bytes,
+               "trainer_fulls": self._capture.full_snapshots}
+        runtime_stats = getattr(self._writer, "runtime_stats", None)
+        if runtime_stats is not None:
+            rt = runtime_stats()
+            w = rt.get("worker", {})
+            out.update(write_seconds=w.get("write_seconds", 0.0), durable_bytes=w.get("bytes_written", 0),
+                       durable_objects=w.get("objects_written", 0), runtime=rt)
+        return out
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -184,6 +184,22 @@ class CheckpointConfig:
     #: runtime="ray": keep only the chains of the newest this-many durable full checkpoints (older fulls and
     #: their diffs are deleted from storage and memory by the coordinator); 0 keeps everything
     keep_fulls: int = 0
+    #: runtime="ray": the longest a captured step waits in the training process before it is handed to the
+    #: node's persistence worker (seconds). Steps are handed over ``batch_steps`` at a time or after this
+    #: delay, whichever comes first: one actor call per chunk, not per step. A crash of the training process
+    #: loses at most that chunk.
+    handoff_delay: float = 0.2
+    #: runtime="ray", LowDiff: keep a live CPU replica of the training state in the persistence tier (the
+    #: state tier): it writes the full checkpoints (the trainer takes none after attach while the replica
+    #: keeps up) and restores of the latest step replay (almost) nothing
+    replica: bool = True
+    #: runtime="ray": the replica may fall this many steps behind the trainer; beyond it the trainer takes
+    #: full checkpoints itself until the replica catches up (and a backlog of more chunks than this is dropped
+    #: and rebuilt from the lineage)
+    max_replica_lag: int = 100
+    #: runtime="ray" with a replica: every this many steps the trainer ships a fingerprint of its parameters
+    #: (16 elements per tensor) that the replica compares bitwise with its own state; 0 disables
+    fingerprint_every: int = 50
 
     def __post_init__(self):
         if self.full_every < 1:
@@ -198,6 +214,12 @@ class CheckpointConfig:
             raise ValueError(f"memory_budget must be at least 1 MiB, got {self.memory_budget}")
         if self.write_retries < 1:
             raise ValueError(f"write_retries must be >= 1, got {self.write_retries}")
+        if not 0 <= self.handoff_delay <= 60:
+            raise ValueError(f"handoff_delay must be in [0, 60] seconds, got {self.handoff_delay}")
+        if self.max_replica_lag < 1:
+            raise ValueError(f"max_replica_lag must be >= 1 step, got {self.max_replica_lag}")
+        if self.fingerprint_every < 0:
+            raise ValueError(f"fingerprint_every must be >= 0 (0 disables), got {self.fingerprint_every}")
 
     @classmethod
     def resolve(cls, **explicit) -> "CheckpointConfig":

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
 import torch
@@ -37,12 +37,62 @@ from ray_ckpt.engine import support
 from ray_ckpt.format.records import FullState, GradEntry, StepRecord
 from ray_ckpt.policy import FrequencyPolicy, StepContext, StepDecision
 
+FINGERPRINT_KEY = "fingerprint"
+_FP_PER_TENSOR = 16
+
+
+class ShadowError(RuntimeError):
+    """The shadow cannot follow this training state (unknown optimizer, missing layout, diverged replay)."""
+
+
+def optimizer_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What :class:`ShadowState` needs to rebuild ``optimizer`` without user code (training process, at attach)."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    param_names = []
+    device = "cpu"
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            names = names_of.get(id(p))
+            if not names:
+                raise ShadowError("an optimizer parameter is not a parameter of the model")
+            param_names.append(names)
+            device = p.device.type
+    cls = type(optimizer)
+    return {"optimizer_class": f"{cls.__module__}:{cls.__qualname__}", "param_names": param_names,
+            "device": device}
+
+
+def fingerprint(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """A small bitwise sample of parameter values (up to 16 evenly spaced elements per tensor) as uint8, on the
+    parameters' device. Equal fingerprints are necessary for equal states; the sample is the same on every
+    process for the same shapes."""
+    parts = []
+    for p in params:
+        flat = p.detach().reshape(-1)
+        n = flat.numel()
+        if n == 0:
+            continue
+        step = max(1, n // _FP_PER_TENSOR)
+        parts.append(flat[::step][:_FP_PER_TENSOR].contiguous().view(torch.uint8))
+    if not parts:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.cat(parts)
+
+
 ATTACHED_ATTR = "_ray_ckpt_capture"
 RESTORED_STEP_ATTR = "_ray_ckpt_restored_step"
 
 
 class Sink(Protocol):
-    """Receives captured items in step order. ``submit`` may block (backpressure)."""
+    """Receives captured items in step order. ``submit`` may block (backpressure).
+
+    A sink may also steer full checkpoints with ``full_control() -> (delegated, wanted)`` (training thread,
+    O(1)): ``delegated`` — the persistence tier materializes the policy's fulls itself (the state tier's
+    replica), so the trainer takes none; ``wanted`` — take a full at the next step whatever the policy says
+    (a gap in the lineage, a lost or diverged replica). Without the method: (False, False).
+    """
 
     def submit(self, item: StepRecord | FullState, *, close_batch: bool = False) -> None: ...
 
@@ -143,7 +193,8 @@ class CaptureBase:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sink: Sink,
                  policy: FrequencyPolicy, *, start_step: int, scheduler: Any = None, scaler: Any = None,
-                 extra_state: Any = None, capture_rng: bool = True, capture_buffers: bool = True):
+                 extra_state: Any = None, capture_rng: bool = True, capture_buffers: bool = True,
+                 fingerprint_every: int = 0):
         if getattr(optimizer, ATTACHED_ATTR, None) is not None:
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
         for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("extra_state", extra_state)):
@@ -167,6 +218,10 @@ class CaptureBase:
         self._pending: Any = None
         self._lock = threading.RLock()
         self.capture_seconds = 0.0        # time spent in the hooks, for stats
+        self.full_snapshots = 0           # fulls snapshotted on the training thread (attach included)
+        self.fingerprint_every = fingerprint_every
+        self._layout: dict | None | bool = False   # False: not computed yet
+        self._full_control = getattr(sink, "full_control", None)
         self._handles = [optimizer.register_step_pre_hook(self._pre_hook),
                          optimizer.register_step_post_hook(self._post_hook)]
         setattr(optimizer, ATTACHED_ATTR, self)
@@ -203,6 +258,8 @@ class CaptureBase:
                 loop["rng"] = rng_state()
             if self.extra_state is not None:
                 loop["extra"] = self._copy.tree(self.extra_state.state_dict())
+            if self.fingerprint_every and step % self.fingerprint_every == 0:
+                loop[FINGERPRINT_KEY] = self._copy(fingerprint(self.params), fresh=True)
             buffers = {}
             if self.capture_buffers:
                 buffers = {n: self._copy(b) for n, b in self._buffers}
@@ -233,6 +290,13 @@ class CaptureBase:
             decision = self.policy.decide(StepContext(step=rec.step, last_full_step=self.last_full_step,
                                                       steps_in_batch=self.steps_in_batch))
             decision = self._amend_decision(rec, decision)
+            if self._full_control is not None:
+                delegated, wanted = self._full_control()
+                if wanted:
+                    decision = StepDecision(full=True, close_batch=True)
+                elif decision.full and delegated:   # the state tier takes this full: only the clock moves
+                    self.last_full_step = rec.step
+                    decision = StepDecision(full=False, close_batch=decision.close_batch)
             full = None
             if decision.full:
                 full = self._snapshot(rec.step, dict(rec.loop), rec)
@@ -253,7 +317,13 @@ class CaptureBase:
         early = getattr(rec, "buffers", None) or {}
         model_sd = {k: early[k] if k in early else self._copy(v) for k, v in self.model.state_dict().items()}
         opt_sd = self._copy.tree(self.optimizer.state_dict())
-        return FullState(step=step, model=model_sd, optimizer=opt_sd, loop=loop)
+        self.full_snapshots += 1
+        if self._layout is False:
+            try:
+                self._layout = optimizer_layout(self.model, self.optimizer)
+            except ShadowError:
+                self._layout = None
+        return FullState(step=step, model=model_sd, optimizer=opt_sd, loop=loop, layout=self._layout)
 
     def _attach_loop(self) -> dict:
         loop: dict[str, Any] = {}

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ray_ckpt.engine.capture import ATTACHED_ATTR, RESTORED_STEP_ATTR, apply_group_values, set_rng_state
-from ray_ckpt.engine.strategy import impl_by_name
+from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.format.records import FullState
@@ -70,7 +70,7 @@ def load_chain(storage, plan: Plan, reader: Callable[[Manifest], Any] | None = N
         raise CorruptObjectError(plan.full.object, f"holds step {full.step}, manifest says {plan.full.last_step}")
     records: list = []
     for m in plan.diffs:
-        batch = impl_by_name(m.strategy).decode_diffs(read_object(storage, m, reader), m.object)
+        batch = decode_object(impl_by_name(m.strategy), read_object(storage, m, reader), m.object)
         steps = [r.step for r in batch]
         if not steps or steps != sorted(set(steps)) or steps[0] < m.first_step or steps[-1] != m.last_step:
             raise CorruptObjectError(m.object, f"holds steps {steps[:3]}..., manifest says "
@@ -128,16 +128,39 @@ def apply_chain(chain: LoadedChain, model: torch.nn.Module, optimizer: torch.opt
     """Load the full state into ``model``/``optimizer`` and replay the records. Returns the restored step."""
     check_not_attached(optimizer)
     full = chain.full
+    load_full(full, model, optimizer)
+    strategies = {m.strategy for m in chain.plan.diffs}
+    if len(strategies) > 1:
+        raise ValueError(f"a chain mixes strategies {sorted(strategies)}")
+    loop = replay(strategies.pop() if strategies else "lowdiff", chain.records, model, optimizer, full.step,
+                  full.loop)
+    apply_loop(loop, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
+               restore_rng=restore_rng)
+    setattr(optimizer, RESTORED_STEP_ATTR, chain.step)
+    return chain.step
+
+
+def load_full(full: FullState, model, optimizer) -> None:
+    """Model and optimizer state of a full checkpoint into live objects (restore, and the state tier's replica)."""
     model.load_state_dict(full.model)
     optimizer.load_state_dict(full.optimizer)
-    if chain.records:
-        strategies = {m.strategy for m in chain.plan.diffs}
-        if len(strategies) != 1:
-            raise ValueError(f"a chain mixes strategies {sorted(strategies)}")
-        impl_by_name(strategies.pop()).advance(chain.records, model, optimizer, full.step)
-    loop = chain.records[-1].loop if chain.records else full.loop
-    if chain.records and chain.records[-1].buffers:
-        _load_buffers(model, chain.records[-1].buffers)
+
+
+def replay(strategy: str, records: list, model, optimizer, from_step: int, loop: dict) -> dict:
+    """Bring ``model``/``optimizer`` from ``from_step`` to ``records[-1].step`` with the strategy's replay, and
+    load the model buffers of the last record. Returns the loop state of the reached step (``loop`` when
+    ``records`` is empty). The one replay path: restore and the state tier's replica both call it."""
+    if not records:
+        return loop
+    impl_by_name(strategy).advance(records, model, optimizer, from_step)
+    if records[-1].buffers:
+        _load_buffers(model, records[-1].buffers)
+    return records[-1].loop
+
+
+def apply_loop(loop: dict, optimizer, *, scheduler: Any = None, scaler: Any = None, extra_state: Any = None,
+               restore_rng: bool = True) -> None:
+    """Param-group values, scheduler, scaler, extra state and RNG of a restored step (training process)."""
     if "groups" in loop:
         apply_group_values(optimizer, loop["groups"])
     if scheduler is not None:
@@ -154,8 +177,6 @@ def apply_chain(chain: LoadedChain, model: torch.nn.Module, optimizer: torch.opt
         extra_state.load_state_dict(loop["extra"])
     if restore_rng and "rng" in loop:
         set_rng_state(loop["rng"])
-    setattr(optimizer, RESTORED_STEP_ATTR, chain.step)
-    return chain.step
 
 
 def check_not_attached(optimizer: torch.optim.Optimizer) -> None:

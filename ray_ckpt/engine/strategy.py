@@ -17,6 +17,7 @@ import torch
 
 from ray_ckpt.config import LowDiff
 from ray_ckpt.format import records as rec_fmt
+from ray_ckpt.format import segments
 
 
 class StrategyImpl(Protocol):
@@ -94,6 +95,15 @@ def impl_for(strategy: Any) -> StrategyImpl:
             return impl_cls(strategy)
     known = ", ".join(c.__name__ for c, _ in _REGISTRY.values())
     raise TypeError(f"strategy must be one of {known} (e.g. ray_ckpt.LowDiff()), got {type(strategy).__name__}")
+
+
+def decode_object(impl: StrategyImpl, data, name: str) -> list:
+    """The records of a diff object: every segment (see :mod:`ray_ckpt.format.segments`) decoded in order.
+    Any process that reads objects (restore, replica, CLI)."""
+    out: list = []
+    for seg in segments.split(data, name):
+        out.extend(impl.decode_diffs(seg, name))
+    return out
 
 
 def impl_by_name(name: str) -> StrategyImpl:

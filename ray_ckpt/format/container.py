@@ -94,8 +94,12 @@ class TensorEntry:
     nbytes: int
 
 
-def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray]) -> list[memoryview | bytes]:
+def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray], *,
+           checksum: bool = True) -> list[memoryview | bytes]:
     """Encode ``meta`` (JSON-able) and named CPU tensors into the container's buffers, in write order.
+
+    ``checksum=False`` skips the data checksum (the header says ``null``): only for in-memory hand-offs that
+    are decoded with ``verify=False`` at once, never for stored objects (a verified read rejects them).
 
     Returns a list of buffers (header first, then each tensor's bytes and padding) so the storage layer can
     write them without joining them into one copy. Runs off the training thread (writer thread or actor).
@@ -112,13 +116,16 @@ def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray]) -> list[
                         "offset": offset, "nbytes": int(raw.nbytes)})
         pad = (-raw.nbytes) % ALIGN
         payloads.append(raw)
-        crc = zlib.crc32(raw, crc)
+        if checksum:
+            crc = zlib.crc32(raw, crc)
         if pad:
             zeros = bytes(pad)
             payloads.append(np.frombuffer(zeros, dtype=np.uint8))
-            crc = zlib.crc32(zeros, crc)
+            if checksum:
+                crc = zlib.crc32(zeros, crc)
         offset += raw.nbytes + pad
-    header = json.dumps({"meta": meta, "tensors": entries, "data_len": offset, "data_crc": crc},
+    header = json.dumps({"meta": meta, "tensors": entries, "data_len": offset,
+                         "data_crc": crc if checksum else None},
                         separators=(",", ":"), allow_nan=True).encode()
     prefix = _PREFIX.pack(MAGIC, len(header), zlib.crc32(header))
     head_pad = (-(len(prefix) + len(header))) % ALIGN
@@ -214,10 +221,25 @@ def to_torch(arr: np.ndarray, dtype_name_: str, *, copy: bool = True) -> torch.T
     return t.reshape(arr.shape)
 
 
-def decode_tensors(data: bytes | bytearray | memoryview, name: str = "<object>") -> tuple[Any, dict[str, torch.Tensor]]:
-    """Decode and return ``(meta, {name: torch.Tensor})`` with tensors copied out of the buffer."""
-    meta, arrays, entries = decode(data, name)
-    return meta, {k: to_torch(a, entries[k].dtype) for k, a in arrays.items()}
+def decode_tensors(data: bytes | bytearray | memoryview, name: str = "<object>", *, verify: bool = True,
+                   copy: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Decode and return ``(meta, {name: torch.Tensor})``, tensors copied out of the buffer unless
+    ``copy=False`` (then they may be read-only views: only read them, e.g. to ``load_state_dict`` from)."""
+    meta, arrays, entries = decode(data, name, verify=verify)
+    if copy:
+        return meta, {k: to_torch(a, entries[k].dtype) for k, a in arrays.items()}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # torch warns about read-only numpy arrays
+        return meta, {k: _view_torch(a, entries[k].dtype) for k, a in arrays.items()}
+
+
+def _view_torch(arr: np.ndarray, dtype_name_: str) -> torch.Tensor:
+    tdt = _DTYPES[dtype_name_][0]
+    t = torch.from_numpy(arr.reshape(-1)) if arr.size else torch.empty(0, dtype=torch.from_numpy(arr).dtype)
+    if tdt == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t.reshape(arr.shape)
 
 
 def iter_sizes(buffers: Iterable[memoryview | bytes]) -> int:

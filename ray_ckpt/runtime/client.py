@@ -8,11 +8,14 @@ import logging
 
 import ray
 
-from ray_ckpt.engine.restore import LoadedChain, load_chain
+from ray_ckpt.engine.restore import LoadedChain, load_chain, read_object
+from ray_ckpt.engine.strategy import decode_object, impl_by_name
+from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.lineage import Manifest, NoCheckpointError, Plan
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator
 from ray_ckpt.runtime.sink import RaySink
+from ray_ckpt.runtime.worker import join
 
 log = logging.getLogger("ray_ckpt")
 
@@ -28,15 +31,30 @@ def run_name(storage, run: str | None) -> str:
 
 
 def attach_sink(storage, impl, *, run: str | None, config, info: dict):
-    """``(run, generation, policy, sink)`` for a Checkpointer attaching with runtime='ray'."""
+    """``(run, generation, policy, sink)`` for a Checkpointer attaching with runtime='ray'. With
+    ``config.replica`` and a LowDiff strategy, the run's state-tier replica is created (on the next node in
+    ring order, this one on a one-node cluster) before the attach full is handed over, so it starts from it."""
     _require_ray()
     run = run_name(storage, run)
     coord = get_or_create_coordinator(run, storage, full_every=config.full_every, batch_steps=config.batch_steps,
-                                      keep_fulls=config.keep_fulls)
+                                      keep_fulls=config.keep_fulls, max_replica_lag=config.max_replica_lag)
     generation, policy = ray.get([coord.new_generation.remote(), coord.get_policy.remote()])
-    sink = RaySink(run, storage, impl, generation, max_pending_bytes=config.max_pending_bytes,
-                   batch_steps=config.batch_steps, memory_budget=config.memory_budget, info=info)
+    replica = None
+    if config.replica and impl.name == "lowdiff":
+        from ray_ckpt.runtime.replica import get_or_create_replica
+        replica = get_or_create_replica(run, _replica_node(), storage, full_every=policy.full_every,
+                                        max_lag=config.max_replica_lag)
+        ray.get(replica.ping.remote())
+    sink = RaySink(run, storage, impl, generation, config=config, info=info, replica=replica is not None)
     return run, generation, policy, sink
+
+
+def _replica_node() -> str:
+    """The node after this one in ring order (a peer that survives this node), or this node when alone."""
+    me = ray.get_runtime_context().get_node_id()
+    alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    others = [n for n in alive if n > me] + [n for n in alive if n < me]
+    return others[0] if others else me
 
 
 def coordinator(storage, run: str | None = None):
@@ -58,20 +76,54 @@ def load_via_coordinator(storage, step: int | None, *, run: str | None = None,
     plan = ray.get(coord.plan.remote(step), timeout=timeout)
     if "error" in plan:
         raise NoCheckpointError(plan["error"])
+    snap = None
+    if "replica" in plan:
+        try:
+            replica = ray.get_actor(naming.replica_name(run_name(storage, run)), namespace=naming.NAMESPACE)
+            snap = ray.get(replica.snapshot.remote(plan["generation"]), timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - the replica is gone: the chain is complete without it
+            log.info("ray_ckpt: replica unavailable (%s); restoring from the chain", e)
+            snap = None
+    return load_plan(storage, plan, timeout=timeout, snapshot=snap)
+
+
+def load_plan(storage, plan: dict, *, timeout: float = 60.0, snapshot: dict | None = None
+              ) -> tuple[LoadedChain, dict]:
+    """Load a coordinator plan: each object from a live holder's object store when one has it, else from
+    storage. With ``snapshot`` (a replica's state at a step the plan reaches), start from it and read only the
+    records after it. Returns ``(chain, tiers)``; ``tiers["replayed"]`` is the number of records to replay.
+    Any process connected to Ray."""
     manifests = [Manifest.from_json(o["manifest"]) for o in plan["objects"]]
     refs = {m.name: o["refs"] for m, o in zip(manifests, plan["objects"])}
-    tiers = {"memory": 0, "durable": 0}
+    tiers = {"memory": 0, "durable": 0, "replica": 0}
 
     def reader(m: Manifest):
         for ref in refs.get(m.name, []):
             try:
-                data = ray.get(ref, timeout=timeout)
+                data = join(ray.get(ref, timeout=timeout))
                 tiers["memory"] += 1
-                return memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else data
+                return memoryview(data).cast("B")
             except Exception as e:  # noqa: BLE001 - the holder died: try the next one, then storage
                 log.info("ray_ckpt: memory copy of %s unavailable (%s)", m.name, e)
         tiers["durable"] += 1
         return storage.read(m.object)
 
     p = Plan(step=plan["step"], generation=plan["generation"], full=manifests[0], diffs=tuple(manifests[1:]))
-    return load_chain(storage, p, reader), tiers
+    if snapshot is not None and p.full.last_step <= snapshot["step"] <= p.step:
+        data = ray.get(snapshot["ref"], timeout=timeout)
+        full = rec_fmt.decode_full(data, "<replica snapshot>", verify=False)
+        later = tuple(m for m in p.diffs if m.last_step > full.step)
+        records = []
+        for m in later:
+            batch = decode_object(impl_by_name(m.strategy), read_object(storage, m, reader), m.object)
+            records.extend(r for r in batch if full.step < r.step <= p.step
+                           and (not records or r.step > records[-1].step))
+        if (records[-1].step if records else full.step) == p.step:
+            tiers["replica"] = 1
+            tiers["replayed"] = len(records)
+            synthetic = Plan(step=p.step, generation=p.generation, full=p.full, diffs=later)
+            return LoadedChain(synthetic, full, records), tiers
+        log.warning("ray_ckpt: the replica's records do not reach step %d; restoring from the chain", p.step)
+    chain = load_chain(storage, p, reader)
+    tiers["replayed"] = len(chain.records)
+    return chain, tiers

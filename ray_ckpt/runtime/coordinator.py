@@ -9,6 +9,18 @@ meanwhile.
 A step is **recoverable** when some chain reaching it consists of objects that are durable or held on a live
 node; it is **durable** when such a chain is on storage alone. Both heads are reported separately.
 
+Self-healing (none of it depends on Ray Train):
+
+* a worker that restarts (or a node that dies) loses what it held; objects it received that are held by a
+  peer only are persisted from the peer at once (:meth:`_heal`), and the training process's sender resends
+  what no other node held (it keeps every chunk until it is safe);
+* the steps of the current generation must form an unbroken sequence: a step that no object covers any more,
+  for longer than a short grace period, is a **gap** — logged as a WARNING naming the steps, kept in
+  :meth:`status`, visible on storage as uncovered steps (``ray-ckpt ls``), and closed by asking the trainer
+  for a full checkpoint at its next step (:meth:`control`);
+* the state tier's replica reports its progress (:meth:`replica_progress`); while it is healthy and close
+  behind, the trainer takes no full checkpoints (the replica writes them), otherwise the trainer does.
+
 All methods run in the coordinator actor and are called remotely (from training processes, workers, the
 driver-side callback, tests).
 """
@@ -28,16 +40,37 @@ from ray_ckpt.runtime import naming
 log = logging.getLogger("ray_ckpt")
 
 
+GAP_GRACE_S = 2.0       #: how long a hole in the step sequence may last before it is declared a gap
+
+
 @dataclass
 class _Entry:
     manifest: Manifest
     durable: bool = False
     holders: dict = field(default_factory=dict)  # node_id -> [ObjectRef]
+    origin: str | None = None                    # node whose worker received it from the trainer
+
+
+@dataclass
+class _Replica:
+    generation: int
+    step: int
+    node: str
+    ok: bool
+    reason: str = ""
+    updated: float = field(default_factory=time.time)
 
 
 class Coordinator:
-    def __init__(self, run: str, storage, full_every: int, batch_steps: int, keep_fulls: int = 0):
+    def __init__(self, run: str, storage, full_every: int, batch_steps: int, keep_fulls: int = 0,
+                 max_replica_lag: int = 100):
         self.run = run
+        self.max_replica_lag = max_replica_lag
+        self.replica: _Replica | None = None
+        self.gaps: list[dict] = []
+        self._holes: dict[tuple[int, int], float] = {}   # (gen, step) -> first seen uncovered
+        self._want_full: set[int] = set()                # generations whose trainer must take a full now
+        self._last_gap_check = 0.0
         self.keep_fulls = keep_fulls  # > 0: garbage-collect chains older than that many durable fulls
         self.storage = storage
         self.policy = FixedFrequencyPolicy(full_every, batch_steps)
@@ -72,11 +105,13 @@ class Coordinator:
             for mjson, refs, durable in inv:
                 self._add(Manifest.from_json(mjson), node, refs, durable)
 
-    def _add(self, m: Manifest, node: str | None, refs, durable: bool) -> None:
+    def _add(self, m: Manifest, node: str | None, refs, durable: bool, origin: str | None = None) -> None:
         e = self.entries.get(m.name)
         if e is None:
             e = self.entries[m.name] = _Entry(m)
         e.durable = e.durable or durable
+        if origin is not None and e.origin is None:
+            e.origin = origin
         if node is not None and refs:
             e.holders[node] = refs
         self._last_generation = max(self._last_generation, m.generation)
@@ -92,6 +127,21 @@ class Coordinator:
         return Lineage(ms)
 
     # -- reports from workers ----------------------------------------------------------------------------------------
+    def update(self, node_id: str, msgs: list) -> None:
+        """A worker's messages, in the order it produced them (one call per ~50 ms per worker)."""
+        for msg in msgs:
+            kind = msg[0]
+            if kind == "held":
+                _, mjson, ref, origin = msg
+                self._add(Manifest.from_json(mjson), node_id, [ref], False, origin)
+            elif kind == "durable":
+                self.report_durable(msg[1], msg[2])
+            elif kind == "release":
+                self.release(node_id, msg[1])
+            elif kind == "started":
+                self.worker_started(node_id)
+        self._check_gaps()
+
     def report(self, manifest_json: bytes, node_id: str, refs: list, durable: bool) -> None:
         self._add(Manifest.from_json(manifest_json), node_id, refs, durable)
 
@@ -117,8 +167,101 @@ class Coordinator:
                     del self.entries[n]
 
     def worker_started(self, node_id: str) -> None:
-        """A (re)started worker holds nothing: forget its old object references."""
+        """A (re)started worker holds nothing: forget its old object references, persist what only a peer
+        still holds of what it had received."""
         self.drop_node(node_id)
+        self._heal(node_id)
+
+    def _heal(self, lost: str) -> None:
+        """Objects received by ``lost`` that are not durable and still held by a live peer: the peer writes
+        them to storage now (the sender resends what no peer held)."""
+        alive = self._alive_nodes()
+        todo: dict[str, list[str]] = {}
+        for name, e in self.entries.items():
+            if e.durable or e.origin != lost:
+                continue
+            live = sorted(n for n in e.holders if n in alive and n != lost)
+            if live:
+                todo.setdefault(live[0], []).append(name)
+        for node, names in todo.items():
+            try:
+                ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).persist.remote(names)
+                log.info("ray_ckpt coordinator: node %s persists %d objects of lost node %s", node[:8], len(names),
+                         lost[:8])
+            except ValueError:
+                pass
+
+    def _forget_dead_nodes(self) -> None:
+        alive = self._alive_nodes()
+        dead = {n for e in self.entries.values() for n in e.holders if n not in alive}
+        for node in dead:
+            self.drop_node(node)
+            self._heal(node)
+
+    # -- gaps ------------------------------------------------------------------------------------------------------
+    def _check_gaps(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_gap_check < 0.5:
+            return
+        self._last_gap_check = now
+        gen = self._last_generation
+        ms = [e.manifest for e in self.entries.values() if e.manifest.generation == gen]
+        fulls = sorted(m.last_step for m in ms if m.kind == "full")
+        if not fulls:
+            return
+        covered = set(fulls)
+        for m in ms:
+            if m.kind == "diff":
+                covered.update(range(m.first_step, m.last_step + 1))
+        top = max(covered)
+        holes = [s for s in range(fulls[0], top) if s not in covered]
+        current = {(gen, s) for s in holes}
+        for key in list(self._holes):
+            if key not in current:
+                del self._holes[key]
+        for key in current:
+            self._holes.setdefault(key, now)
+        overdue = sorted(s for (g, s), t0 in self._holes.items() if now - t0 >= GAP_GRACE_S)
+        if not overdue:
+            return
+        known = {(g["generation"], s) for g in self.gaps for s in range(g["first"], g["last"] + 1)}
+        new = [s for s in overdue if (gen, s) not in known]
+        if not new:
+            return
+        for first, last in _runs(new):
+            self.gaps.append({"generation": gen, "first": first, "last": last, "time": time.time()})
+            log.warning("ray_ckpt coordinator: run %r lost steps %d..%d of generation %d (held nowhere, not "
+                        "durable): they cannot be restored; asking the trainer for a full checkpoint now",
+                        self.run, first, last, gen)
+        self._want_full.add(gen)
+
+    # -- the state tier --------------------------------------------------------------------------------------------
+    def replica_progress(self, generation: int, step: int, node: str, ok: bool, reason: str = "") -> None:
+        """The replica applied the records of ``generation`` up to ``step`` (or failed: ``ok=False``)."""
+        prev = self.replica
+        if not ok and (prev is None or prev.ok):
+            log.warning("ray_ckpt coordinator: the state-tier replica of run %r stopped (%s); the trainer takes "
+                        "full checkpoints again", self.run, reason)
+        self.replica = _Replica(generation, step, node, ok, reason)
+
+    def _replica_usable(self, gen: int) -> bool:
+        r = self.replica
+        if r is None or not r.ok or r.generation != gen or r.node not in self._alive_nodes():
+            return False
+        head = self._lineage().head()
+        return head is None or head - r.step <= self.max_replica_lag
+
+    def control(self, generation: int) -> dict:
+        """For the training process's sender (polled about once a second): ``want_full`` — take a full at the
+        next step (consumed); ``delegate`` — the replica materializes the policy's fulls."""
+        want = generation in self._want_full
+        self._want_full.discard(generation)
+        return {"want_full": want, "delegate": self._replica_usable(generation)}
+
+    def request_full(self, generation: int, reason: str) -> None:
+        """Ask the trainer of ``generation`` for a full at its next step (e.g. the replica restarted)."""
+        log.info("ray_ckpt coordinator: full checkpoint requested: %s", reason)
+        self._want_full.add(generation)
 
     def drop_node(self, node_id: str) -> list[str]:
         """Forget what ``node_id`` held; returns names that are now neither durable nor held anywhere."""
@@ -157,28 +300,47 @@ class Coordinator:
 
     def plan(self, step: int | None = None) -> dict:
         """The recovery plan for ``step`` (None = latest recoverable): the manifests to read, in order, and for
-        each the object references of live holders (memory tier; empty = read from durable storage)."""
+        each the object references of live holders (memory tier; empty = read from durable storage).
+
+        Objects held in memory are preferred (a chain of memory objects when one reaches the step). When the
+        state-tier replica is usable and the step is the latest, ``replica`` names the step whose state the
+        replica can hand over: the restore then reads only the records after it."""
+        self._forget_dead_nodes()
         alive = self._alive_nodes()
-        for e in self.entries.values():  # forget holders on dead nodes
-            for node in [n for n in e.holders if n not in alive]:
-                del e.holders[node]
+        p = None
+        memory = Lineage([e.manifest for e in self.entries.values() if any(n in alive for n in e.holders)])
         try:
-            p = self._lineage().resolve(step)
-        except NoCheckpointError as err:
-            return {"error": str(err)}
+            p = memory.resolve(step)
+            if step is None and p.step != self._lineage().head():
+                p = None   # the memory tier alone does not reach the latest step
+        except NoCheckpointError:
+            p = None
+        if p is None:
+            try:
+                p = self._lineage().resolve(step)
+            except NoCheckpointError as err:
+                return {"error": str(err)}
         sources = []
         for m in p.objects:
             e = self.entries[m.name]
             sources.append({"manifest": m.to_json(), "durable": e.durable,
                             "refs": [refs[0] for refs in e.holders.values()]})
-        return {"step": p.step, "generation": p.generation, "objects": sources}
+        out = {"step": p.step, "generation": p.generation, "objects": sources}
+        r = self.replica
+        if step is None and self._replica_usable(p.generation) and p.full.last_step <= r.step <= p.step:
+            out["replica"] = {"step": r.step, "node": r.node}
+        return out
 
     def status(self) -> dict:
         heads = {}
         for key, durable_only in (("recoverable_step", False), ("durable_step", True)):
             heads[key] = self._lineage(durable_only).head()
         alive = self._alive_nodes()
-        return {**heads, "objects": len(self.entries),
+        r = self.replica
+        return {**heads, "objects": len(self.entries), "gaps": list(self.gaps),
+                "replica": None if r is None else {"generation": r.generation, "step": r.step, "node": r.node,
+                                                   "ok": r.ok, "reason": r.reason,
+                                                   "lag": (heads["recoverable_step"] or 0) - r.step},
                 "memory_objects": sum(1 for e in self.entries.values() if any(n in alive for n in e.holders)),
                 "replicated_objects": sum(1 for e in self.entries.values()
                                           if sum(n in alive for n in e.holders) >= 2),
@@ -228,7 +390,18 @@ class Coordinator:
 _remote_cls = None
 
 
-def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int, keep_fulls: int = 0):
+def _runs(steps: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s in steps:
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
+def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int, keep_fulls: int = 0,
+                              max_replica_lag: int = 100):
     """The run's coordinator (created detached if missing). Any process connected to Ray."""
     global _remote_cls
     name = naming.coordinator_name(run)
@@ -240,14 +413,16 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
         _remote_cls = ray.remote(Coordinator)
     return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
                        max_restarts=-1, max_task_retries=-1, num_cpus=0).remote(run, storage, full_every,
-                                                                               batch_steps, keep_fulls)
+                                                                               batch_steps, keep_fulls,
+                                                                               max_replica_lag)
 
 
 def shutdown_run(run: str) -> None:
     """Kill the run's coordinator and persistence workers (their memory tier is lost; storage stays)."""
     for info in ray.util.list_named_actors(all_namespaces=True):
         aname = info["name"] if isinstance(info, dict) else info
-        if aname == naming.coordinator_name(run) or aname.startswith(naming.worker_prefix(run)):
+        if aname in (naming.coordinator_name(run), naming.replica_name(run)) \
+                or aname.startswith(naming.worker_prefix(run)):
             try:
                 ray.kill(ray.get_actor(aname, namespace=naming.NAMESPACE), no_restart=True)
             except ValueError:

@@ -22,3 +22,8 @@ def worker_prefix(run: str) -> str:
 
 def worker_name(run: str, node_id: str) -> str:
     return worker_prefix(run) + node_id
+
+
+def replica_name(run: str) -> str:
+    """The run's state-tier replica actor (one per run)."""
+    return f"ray_ckpt:{run}:replica"

@@ -1,22 +1,32 @@
 """PersistenceWorker: one Ray actor per node that holds checkpoint objects in the object store and persists them.
 
-Data path (see ARCHITECTURE.md): the training process's sender thread calls :meth:`submit` with one encoded
-object (a full checkpoint, or the diff record of one step) and its manifest. The worker
+Data path (docs/architecture.md): the training process's sender thread calls :meth:`submit` with one *chunk* —
+a full checkpoint, or the encoded records of one or more consecutive steps (one segment, encoded once in the
+training process) — and its manifest. The worker
 
-1. ``ray.put``s the bytes itself (objects put by a training worker die with it), so the step is held in this
-   node's object store — the *memory tier* — and reports it to the coordinator;
-2. replicates it to a peer node's worker (:meth:`hold_replica`), so losing this node loses nothing that was
-   reported recoverable on two nodes;
-3. writes it to durable storage from a background thread: diff records are batched ``batch_steps`` per object
-   (decoded and re-encoded as one object), fulls are written as they are; each commit is reported.
+1. ``ray.put``s the chunk's buffers itself (objects put by a training worker die with it): the chunk is held in
+   this node's object store, the *memory tier*;
+2. replicates it to a peer node's worker (:meth:`hold_replica`) and forwards it to the run's state-tier replica
+   (:mod:`ray_ckpt.runtime.replica`), both asynchronously;
+3. writes it to durable storage from a background thread: consecutive diff chunks are laid end to end into one
+   object of about ``batch_steps`` steps (segments, :mod:`ray_ckpt.format.segments`: no decode, no re-encode,
+   the checksum combined from the chunks'), fulls as they are; each commit is reported.
+
+A chunk is *safe* once it is held on two nodes or durable. :meth:`submit` answers with this worker's
+incarnation and the chunks that became safe since the last answer; the sender keeps every chunk until it is
+safe and sends the unsafe ones again to a restarted worker (a new incarnation holds nothing), so a worker
+restart never opens a hole in the lineage.
+
+Messages to the coordinator (held, durable, released) go through one queue and one thread, in order, batched:
+one actor call per ~50 ms, not one per step.
 
 Memory is bounded by ``memory_budget`` bytes: durable objects are released oldest first (the newest full is
-kept); when nothing is releasable, :meth:`submit` does not return until the writer frees something, which
-stalls the sender and, through its bounded queue, the training thread (backpressure, never an unbounded queue).
+kept); an object that is not durable is never released, whoever holds it. When nothing is releasable,
+:meth:`submit` waits for the writer, which stalls the sender and, through its bounded queue, the training
+thread (backpressure, never an unbounded queue).
 
 Where it runs: a detached, named, node-pinned actor (``max_restarts=-1``); all methods are called remotely.
-The actor is threaded (``max_concurrency``) so ``submit`` / ``hold_replica`` / ``flush`` run concurrently with
-the writer thread; shared state is guarded by one condition variable.
+The actor is threaded (``max_concurrency``); shared state is guarded by one condition variable.
 """
 from __future__ import annotations
 
@@ -24,17 +34,19 @@ import collections
 import logging
 import threading
 import time
-import zlib
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
 
-from ray_ckpt.engine.strategy import impl_by_name
+from ray_ckpt.format import segments
 from ray_ckpt.lineage import Manifest, diff_name, object_key
 from ray_ckpt.runtime import naming
 
 log = logging.getLogger("ray_ckpt")
+
+_REPORT_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -43,30 +55,52 @@ class _Held:
     ref: ray.ObjectRef
     nbytes: int
     durable: bool
-    replica: bool  # held for another node (that node's worker persists it)
+    replica: bool                 #: held for another node (that node's worker persists it)
+    origin: str = ""              #: the node whose worker received it from a training process
+    peer: str | None = None       #: origin copies: the node holding our replica (once acknowledged)
+    received: float = field(default_factory=time.monotonic)
+
+
+def as_buffers(value) -> list:
+    """The buffers of a held object as ``ray.get`` returns them (a list of arrays, or one array)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def join(value):
+    """One contiguous buffer of a held object (a copy only when it has several parts)."""
+    parts = as_buffers(value)
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate([np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in parts])
 
 
 class PersistenceWorker:
-    def __init__(self, run: str, storage, memory_budget: int):
+    def __init__(self, run: str, storage, memory_budget: int, durable_delay: float = 2.0):
         self.run = run
         self.storage = storage  # a picklable StorageBackend
         self.node_id = ray.get_runtime_context().get_node_id()
         self.memory_budget = memory_budget
+        self.durable_delay = durable_delay
+        self.incarnation = uuid.uuid4().hex
         self._cv = threading.Condition()
         self._held: "collections.OrderedDict[str, _Held]" = collections.OrderedDict()
         self._held_bytes = 0
-        self._write_q: collections.deque = collections.deque()   # (manifest, ref, batch_steps) to persist
-        self._batches: dict[int, list] = {}                      # generation -> pending diff records
-        self._writing = 0
+        self._pending: dict[int, dict[int, tuple[Manifest, int]]] = {}  # gen -> first_step -> (chunk, batch)
+        self._fulls: collections.deque = collections.deque()            # full manifests to write
+        self._flush_requested = 0
+        self._writing = False
         self._error: str | None = None
         self._stats = collections.Counter()
         self._coordinator = None
-        self._replica_calls: collections.deque = collections.deque()
+        self._reports: list = []                      # messages for the coordinator, in order
+        self._replica_calls: dict = {}                # ObjectRef of hold_replica -> (name, peer node)
+        self._newly_safe: dict[int, list[str]] = {}   # gen -> names safe since the last answer
         self._peer_cache: tuple[float, object, str] | None = None
-        self._thread = threading.Thread(target=self._write_loop, daemon=True, name="ray_ckpt-persist")
-        self._thread.start()
-        # a restarted worker lost its objects: tell the coordinator (fire and forget; retried while it restarts)
-        self._coord().worker_started.remote(self.node_id)
+        self._replica_cache: tuple[float, object] | None = None
+        for target, name in ((self._write_loop, "ray_ckpt-persist"), (self._report_loop, "ray_ckpt-report")):
+            threading.Thread(target=target, daemon=True, name=name).start()
+        # a restarted worker lost its objects: tell the coordinator first (in order with what follows)
+        self._report(("started", self.node_id))
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _coord(self):
@@ -74,25 +108,31 @@ class PersistenceWorker:
             self._coordinator = ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
         return self._coordinator
 
-    def _hold(self, m: Manifest, ref, nbytes: int, durable: bool, replica: bool) -> None:
+    def _report(self, msg) -> None:
+        with self._cv:
+            self._reports.append(msg)
+            self._cv.notify_all()
+
+    def _hold(self, m: Manifest, ref, nbytes: int, *, durable: bool, replica: bool, origin: str) -> None:
         with self._cv:
             old = self._held.pop(m.name, None)
             if old is not None:
                 self._held_bytes -= old.nbytes
-            self._held[m.name] = _Held(m, ref, nbytes, durable, replica)
+            self._held[m.name] = _Held(m, ref, nbytes, durable, replica, origin)
             self._held_bytes += nbytes
             self._enforce_budget_locked(wait=True)
 
     def _enforce_budget_locked(self, wait: bool) -> None:
-        """Release durable objects oldest first; optionally wait for the writer while nothing is releasable."""
+        """Release durable objects oldest first; optionally wait for the writer while nothing is releasable.
+        Objects that are not durable are never released (they may be the only copy of their steps)."""
         released = []
         while self._held_bytes > self.memory_budget:
             newest_full = max((h.manifest.last_step for h in self._held.values() if h.manifest.kind == "full"),
                               default=None)
-            victim = next((n for n, h in self._held.items() if (h.durable or h.replica)
+            victim = next((n for n, h in self._held.items() if h.durable
                            and not (h.manifest.kind == "full" and h.manifest.last_step == newest_full)), None)
             if victim is None:
-                if not wait or self._error is not None or not (self._write_q or self._writing):
+                if not wait or self._error is not None or not (self._pending_any() or self._writing):
                     break
                 t0 = time.perf_counter()
                 self._cv.wait(0.5)
@@ -103,86 +143,123 @@ class PersistenceWorker:
             released.append(victim)
         if released:
             self._stats["released"] += len(released)
-            self._coord().release.remote(self.node_id, released)
+            self._reports.append(("release", released))
+            self._cv.notify_all()
+
+    def _pending_any(self) -> bool:
+        return bool(self._fulls) or any(self._pending.values())
 
     def _peer(self):
-        """The worker of the next alive node (ring order by node id), or None on a one-node cluster."""
+        """``(handle, node_id)`` of the next alive node's worker (ring order by node id), or (None, "")."""
         now = time.monotonic()
         if self._peer_cache is not None and now - self._peer_cache[0] < 5.0:
-            return self._peer_cache[1]
+            return self._peer_cache[1], self._peer_cache[2]
         alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         others = [n for n in alive if n > self.node_id] + [n for n in alive if n < self.node_id]
         peer = get_or_create_worker(self.run, others[0], self.storage, self.memory_budget) if others else None
         self._peer_cache = (now, peer, others[0] if others else "")
-        return peer
+        return peer, self._peer_cache[2]
 
-    # -- remote API --------------------------------------------------------------------------------------------
-    def submit(self, manifest_json: bytes, data: bytes, batch_steps: int = 1, replicate: bool = True) -> str:
-        """Take one encoded object from a training process: hold, replicate, persist. Returns this node's id."""
+    def _replica(self):
+        now = time.monotonic()
+        if self._replica_cache is not None and now - self._replica_cache[0] < 2.0:
+            return self._replica_cache[1]
+        try:
+            handle = ray.get_actor(naming.replica_name(self.run), namespace=naming.NAMESPACE)
+        except ValueError:
+            handle = None
+        self._replica_cache = (now, handle)
+        return handle
+
+    # -- remote API: training processes --------------------------------------------------------------------------
+    def submit(self, manifest_json: bytes, buffers: list, batch_steps: int = 1, replicate: bool = True) -> dict:
+        """Take one encoded chunk from a training process: hold, replicate, forward to the replica, persist.
+
+        Returns ``{"node": node id, "incarnation": id, "safe": [chunk names safe since the last answer]}``."""
         m = Manifest.from_json(manifest_json)
-        if zlib.crc32(data) != m.crc32 or len(data) != m.nbytes:
-            raise ValueError(f"object {m.name} arrived corrupted (size/crc mismatch)")
-        ref = ray.put(np.frombuffer(data, dtype=np.uint8))  # this actor owns the object
-        self._hold(m, ref, len(data), durable=False, replica=False)
-        # acknowledged only once the coordinator knows: an acked step is reported recoverable
-        ray.get(self._coord().report.remote(m.to_json(), self.node_id, [ref], False))
-        if replicate:
-            peer = self._peer()
-            if peer is not None:
-                call = peer.hold_replica.remote(m.to_json(), [ref], self.node_id)
-                with self._cv:
-                    self._replica_calls.append(call)
-                    while len(self._replica_calls) > 64:  # bound the bookkeeping; old calls are long done
-                        self._replica_calls.popleft()
+        bufs = as_buffers(buffers)
+        nbytes = sum(memoryview(b).nbytes for b in bufs)
+        if nbytes != m.nbytes:
+            raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
+        ref = ray.put(bufs)  # this actor owns the copy
+        self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)
+        self._report(("held", m.to_json(), ref, self.node_id))
+        peer, peer_node = self._peer() if replicate else (None, "")
+        if peer is not None:
+            call = peer.hold_replica.remote(m.to_json(), [ref], self.node_id)
+            with self._cv:
+                self._replica_calls[call] = (m.name, peer_node)
+        replica = self._replica()
+        if replica is not None:
+            replica.feed.remote(m.to_json(), [ref])
         with self._cv:
-            self._write_q.append((m, ref, max(1, batch_steps)))
+            if m.kind == "full":
+                self._fulls.append(m)
+            else:
+                self._pending.setdefault(m.generation, {})[m.first_step] = (m, max(1, batch_steps))
             self._cv.notify_all()
         self._stats["received"] += 1
-        self._stats["received_bytes"] += len(data)
-        return self.node_id
+        self._stats["received_bytes"] += nbytes
+        return self.poll(m.generation)
 
-    def hold_replica(self, manifest_json: bytes, refs: list, origin: str) -> None:
-        """Keep a copy of another node's object (pulled to this node, re-put: this actor owns the copy)."""
+    def poll(self, generation: int) -> dict:
+        """This worker's incarnation and the chunks of ``generation`` that became safe since the last poll."""
+        with self._cv:
+            safe = self._newly_safe.pop(generation, [])
+        return {"node": self.node_id, "incarnation": self.incarnation, "safe": safe}
+
+    # -- remote API: other workers, the coordinator ----------------------------------------------------------------
+    def hold_replica(self, manifest_json: bytes, refs: list, origin: str) -> bool:
+        """Keep a copy of another node's chunk (pulled to this node, re-put: this actor owns the copy)."""
         m = Manifest.from_json(manifest_json)
         try:
-            arr = ray.get(refs[0], timeout=60)
+            value = ray.get(refs[0], timeout=60)
         except Exception as e:  # noqa: BLE001 - the origin died before the copy: nothing to hold
             log.warning("ray_ckpt: replica of %s from %s lost: %s", m.name, origin, e)
-            return
-        ref = ray.put(np.array(arr, copy=True))
-        self._hold(m, ref, arr.nbytes, durable=False, replica=True)
-        ray.get(self._coord().report.remote(m.to_json(), self.node_id, [ref], False))
+            return False
+        bufs = as_buffers(value)
+        ref = ray.put(bufs)
+        self._hold(m, ref, sum(memoryview(b).nbytes for b in bufs), durable=False, replica=True, origin=origin)
+        self._report(("held", m.to_json(), ref, origin))
         self._stats["replicas"] += 1
+        return True
+
+    def mark_durable(self, names: list[str]) -> None:
+        """The origin wrote these objects to storage: our replicas of them may now be released."""
+        with self._cv:
+            for n in names:
+                h = self._held.get(n)
+                if h is not None:
+                    h.durable = True
+            self._cv.notify_all()
 
     def persist(self, names: list[str]) -> list[str]:
-        """Write held objects (replicas of a lost node) to durable storage as they are. Returns those written."""
+        """Write held objects (replicas of a lost node or worker) to durable storage as they are."""
         done = []
         for name in names:
             with self._cv:
                 h = self._held.get(name)
             if h is None or h.durable:
                 continue
-            data = ray.get(h.ref)
-            self._commit(h.manifest, [data])
+            self._commit(h.manifest, as_buffers(ray.get(h.ref)), [name])
             done.append(name)
         return done
 
     def flush(self, timeout: float = 300.0) -> dict:
-        """Write every pending batch now and wait until everything received so far is durable and replicated
-        (a replica whose peer died is given up: the object is durable anyway)."""
+        """Write every pending chunk now and wait until everything received so far is durable and every
+        replication call has settled (a replica whose peer died is given up: the object is durable)."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            calls = list(self._replica_calls)
-            self._replica_calls.clear()
-        if calls:
-            ray.wait(calls, num_returns=len(calls), timeout=timeout)
-        with self._cv:
-            self._write_q.append(("flush", None, 0))
+            self._flush_requested += 1
             self._cv.notify_all()
-            while (self._write_q or self._writing) and self._error is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("persistence worker flush timed out")
-                self._cv.wait(0.2)
+            try:
+                while ((self._pending_any() or self._writing or self._replica_calls or self._reports)
+                       and self._error is None):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("persistence worker flush timed out")
+                    self._cv.wait(0.1)
+            finally:
+                self._flush_requested -= 1
             if self._error is not None:
                 raise RuntimeError(f"persistence worker on node {self.node_id} failed: {self._error}")
         return self.stats()
@@ -202,92 +279,161 @@ class PersistenceWorker:
 
     def stats(self) -> dict:
         with self._cv:
-            return {"node_id": self.node_id, "held_objects": len(self._held), "held_bytes": self._held_bytes,
-                    "queued_writes": len(self._write_q), "error": self._error, **self._stats}
+            return {"node_id": self.node_id, "incarnation": self.incarnation, "held_objects": len(self._held),
+                    "held_bytes": self._held_bytes, "queued_chunks": sum(len(p) for p in self._pending.values()),
+                    "error": self._error, **self._stats}
 
     def ping(self) -> str:
         return self.node_id
+
+    # -- report thread: coordinator messages, replication acknowledgements -----------------------------------------
+    def _report_loop(self) -> None:
+        while True:
+            with self._cv:
+                if not self._reports and not self._replica_calls:
+                    self._cv.wait(1.0)
+                msgs, self._reports = self._reports, []
+                calls = list(self._replica_calls)
+            if calls:
+                ready, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
+                for c in ready:
+                    with self._cv:
+                        name, peer_node = self._replica_calls.pop(c)
+                    try:
+                        ok = ray.get(c)
+                    except Exception as e:  # noqa: BLE001 - the peer died: the chunk waits for durability
+                        log.info("ray_ckpt: replication of %s failed: %s", name, e)
+                        ok = False
+                    if ok:
+                        self._mark_safe([name], peer=peer_node)
+            if msgs:
+                try:
+                    self._coord().update.remote(self.node_id, msgs)
+                    self._stats["coordinator_calls"] += 1
+                except Exception as e:  # noqa: BLE001 - the coordinator is restarting: it rebuilds from inventories
+                    log.warning("ray_ckpt: coordinator unreachable (%s); it will rebuild from inventories", e)
+                    self._coordinator = None
+                with self._cv:
+                    self._cv.notify_all()
+            time.sleep(_REPORT_INTERVAL_S)
+
+    def _mark_safe(self, names: list[str], peer: str | None = None) -> None:
+        with self._cv:
+            for n in names:
+                h = self._held.get(n)
+                if h is None or h.replica:
+                    continue
+                if peer is not None:
+                    h.peer = peer
+                self._newly_safe.setdefault(h.manifest.generation, []).append(n)
+            self._cv.notify_all()
 
     # -- writer thread -----------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._write_q:
-                    self._cv.wait()
-                m, ref, batch_steps = self._write_q.popleft()
-                self._writing += 1
+                job = None
+                while job is None:
+                    job = self._next_job_locked()
+                    if job is None:
+                        self._cv.wait(0.2)
+                self._writing = True
             try:
-                if m == "flush":
-                    for gen in list(self._batches):
-                        self._write_batch(gen)
-                elif m.kind == "full":
-                    self._write_batch(m.generation)
-                    self._commit(m, [ray.get(ref)])
-                elif m.info.get("atomic") or batch_steps <= 1:
-                    self._commit(m, [ray.get(ref)])
+                kind, payload = job
+                if kind == "full":
+                    h = self._held.get(payload.name)
+                    if h is not None:
+                        self._commit(payload, as_buffers(ray.get(h.ref)), [payload.name])
                 else:
-                    batch = self._batches.setdefault(m.generation, [])
-                    if batch and batch[-1][0].last_step + 1 != m.first_step:
-                        self._write_batch(m.generation)  # a gap (resubmission after a restart): keep it exact
-                        batch = self._batches.setdefault(m.generation, [])
-                    batch.append((m, ref))
-                    if len(batch) >= batch_steps:
-                        self._write_batch(m.generation)
+                    self._write_batch(payload)
             except Exception as e:  # noqa: BLE001
                 log.exception("ray_ckpt: persistence failed")
                 with self._cv:
                     self._error = f"{type(e).__name__}: {e}"
             finally:
                 with self._cv:
-                    self._writing -= 1
+                    self._writing = False
                     self._cv.notify_all()
 
-    def _write_batch(self, gen: int) -> None:
-        batch = self._batches.pop(gen, [])
-        if not batch:
-            return
-        if len(batch) == 1:
-            m, ref = batch[0]
-            self._commit(m, [ray.get(ref)])
-            return
-        impl = impl_by_name(batch[0][0].strategy)
-        records = []
-        for m, ref in batch:
-            records.extend(impl.decode_diffs(ray.get(ref), m.object))
-        bufs, info = impl.encode_diffs(records)
-        first, last = batch[0][0].first_step, batch[-1][0].last_step
-        name = diff_name(gen, first, last)
-        crc, n = 0, 0
-        for b in bufs:
-            crc = zlib.crc32(b, crc)
-            n += memoryview(b).nbytes
-        m0 = batch[0][0]
-        merged = Manifest(kind="diff", generation=gen, first_step=first, last_step=last, object=object_key(name),
-                          nbytes=n, crc32=crc, strategy=m0.strategy, info={**m0.info, **info})
-        self._commit(merged, bufs, covers=[m.name for m, _ in batch])
+    def _next_job_locked(self):
+        """The next write: a full, else the first run of consecutive diff chunks of a generation once it holds
+        ``batch_steps`` steps, or on flush / memory pressure / when its oldest chunk waited ``durable_delay``."""
+        if self._error is not None:
+            return None
+        if self._fulls:
+            return "full", self._fulls.popleft()
+        urgent = self._flush_requested > 0 or self._held_bytes > self.memory_budget
+        now = time.monotonic()
+        for gen, chunks in self._pending.items():
+            if not chunks:
+                continue
+            run: list[Manifest] = []
+            steps = 0
+            for first in sorted(chunks):
+                m, batch = chunks[first]
+                if run and (first != run[-1].last_step + 1 or m.info != run[0].info or m.info.get("atomic")
+                            or run[0].info.get("atomic")):
+                    break
+                run.append(m)
+                steps += m.last_step - m.first_step + 1
+                if steps >= batch:
+                    break
+            held = self._held.get(run[0].name)
+            age = now - held.received if held is not None else self.durable_delay
+            if steps >= chunks[run[0].first_step][1] or urgent or age >= self.durable_delay \
+                    or run[0].info.get("atomic"):
+                for m in run:
+                    del chunks[m.first_step]
+                return "diffs", run
+        return None
 
-    def _commit(self, m: Manifest, bufs: list, covers: list[str] | None = None) -> None:
+    def _write_batch(self, run: list[Manifest]) -> None:
+        parts, bufs, covers = [], [], []
+        for m in run:
+            with self._cv:
+                h = self._held.get(m.name)
+            if h is None:  # released by GC meanwhile
+                continue
+            bufs.extend(as_buffers(ray.get(h.ref)))
+            parts.append((m.crc32, m.nbytes))
+            covers.append(m)
+        if not covers:
+            return
+        if len(covers) == 1:
+            self._commit(covers[0], bufs, [covers[0].name])
+            return
+        crc, n = segments.combine_all(parts)
+        first, last = covers[0].first_step, covers[-1].last_step
+        m0 = covers[0]
+        name = diff_name(m0.generation, first, last)
+        merged = Manifest(kind="diff", generation=m0.generation, first_step=first, last_step=last,
+                          object=object_key(name), nbytes=n, crc32=crc, strategy=m0.strategy, info=dict(m0.info))
+        self._commit(merged, bufs, [m.name for m in covers])
+
+    def _commit(self, m: Manifest, bufs: list, covers: list[str]) -> None:
         t0 = time.perf_counter()
-        for attempt in range(3):
-            try:
-                self.storage.write(m.object, bufs)
-                self.storage.write(m.key, m.to_json())
-                break
-            except Exception:  # noqa: BLE001
-                if attempt == 2:
-                    raise
-                time.sleep(0.1 * 4 ** attempt)
+        self.storage.write(m.object, bufs)
+        self.storage.write(m.key, m.to_json())
         self._stats["write_seconds"] += time.perf_counter() - t0
         self._stats["objects_written"] += 1
         self._stats["bytes_written"] += m.nbytes
-        names = covers or [m.name]
+        self._stats["diff_bytes_written" if m.kind == "diff" else "full_bytes_written"] += m.nbytes
+        peers: dict[str, list[str]] = {}
         with self._cv:
-            for n in names:
+            for n in covers:
                 h = self._held.get(n)
                 if h is not None:
                     h.durable = True
+                    if h.peer:
+                        peers.setdefault(h.peer, []).append(n)
+            self._reports.append(("durable", m.to_json(), covers))
             self._cv.notify_all()
-        self._coord().report_durable.remote(m.to_json(), names)
+        self._mark_safe(covers)
+        for node, names in peers.items():
+            try:
+                ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).mark_durable.remote(names)
+            except ValueError:
+                pass
 
 
 def _actor_options(name: str, node_id: str) -> dict:

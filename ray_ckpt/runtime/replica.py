@@ -1,0 +1,250 @@
+"""The state tier: one replica actor per run that keeps the training state itself (LowDiff+).
+
+The node's PersistenceWorker forwards every chunk it receives (the attach full, then the step records) to this
+actor. A thread applies them in step order to a :class:`ray_ckpt.engine.shadow.ShadowState` — restore's own
+replay — so the replica is at most a few steps behind the trainer. It
+
+* materializes the policy's full checkpoints (steps that are multiples of ``full_every``) from its own state,
+  encodes and writes them (the trainer takes no fulls while the replica is healthy);
+* hands its state over for zero-replay recovery of the latest step (:meth:`snapshot`);
+* reports its progress to the coordinator, which decides whether the trainer may delegate fulls to it.
+
+Placement: the node after the trainer's in ring order (a peer node, which survives the trainer node's loss),
+the trainer's own node on a one-node cluster; soft affinity, so a restarted replica lands on a live node. A
+restarted replica rebuilds itself off the training thread from the newest full plus the held or durable diffs
+(the coordinator's plan). It says so loudly when it cannot follow (an optimizer it cannot rebuild, a
+fingerprint mismatch, a backlog beyond ``max_lag`` steps) and the trainer takes fulls again — never silent loss.
+
+Where it runs: a detached, named Ray actor (``max_restarts=-1``, threaded); all methods are called remotely.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import ray
+
+from ray_ckpt.engine.shadow import ShadowError, ShadowState
+from ray_ckpt.engine.strategy import decode_object, impl_by_name
+from ray_ckpt.format import records as rec_fmt
+from ray_ckpt.format import segments
+from ray_ckpt.lineage import Manifest, full_name, object_key
+from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.worker import join
+
+log = logging.getLogger("ray_ckpt")
+
+
+class ReplicaActor:
+    def __init__(self, run: str, storage, full_every: int, max_lag: int):
+        self.run = run
+        self.storage = storage
+        self.full_every = full_every
+        self.max_lag = max_lag
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.shadow: ShadowState | None = None
+        self.generation: int | None = None
+        self.ok = True
+        self.reason = ""
+        self._cv = threading.Condition()
+        self._queue: dict[int, tuple[Manifest, object]] = {}   # first_step -> chunk of the current generation
+        self._reset: tuple[Manifest, object] | None = None
+        self._rebuild = True                                    # (re)started: catch up from the lineage
+        self._stats = {"applied_steps": 0, "apply_seconds": 0.0, "fulls_written": 0, "full_seconds": 0.0,
+                       "snapshots": 0, "rebuilds": 0}
+        self._coordinator = None
+        threading.Thread(target=self._loop, daemon=True, name="ray_ckpt-replica").start()
+
+    # -- remote API ------------------------------------------------------------------------------------------
+    def feed(self, manifest_json: bytes, refs: list) -> None:
+        """A chunk received by a persistence worker (a full, or step records). Returns at once."""
+        m = Manifest.from_json(manifest_json)
+        with self._cv:
+            if m.kind == "full":
+                newer_gen = self.generation is None or m.generation > self.generation
+                if m.info.get("computed_on") == "replica":
+                    return
+                if newer_gen or self.shadow is None or not self.ok or m.last_step > self.shadow.step:
+                    if m.generation == self.generation and self.shadow is not None and self.ok \
+                            and m.last_step > self.shadow.step:
+                        pass  # a trainer full ahead of us (after a gap): restart from it
+                    self._reset = (m, refs[0])
+                    self._queue = {k: v for k, v in self._queue.items() if v[0].generation == m.generation
+                                   and v[0].last_step > m.last_step}
+                    self._rebuild = False
+            elif self.generation is None or m.generation >= self.generation:
+                self._queue[m.first_step] = (m, refs[0])
+                if len(self._queue) > self.max_lag:
+                    self._fail_locked(f"{len(self._queue)} chunks behind (more than max_replica_lag); rebuilding")
+                    self._queue = {}
+                    self._rebuild = True
+            self._cv.notify_all()
+
+    def snapshot(self, generation: int) -> dict | None:
+        """The current state of ``generation`` as one encoded full (no checksum: a memory hand-off) put in the
+        object store by this actor: ``{"step", "ref", "nbytes"}``, or None when the replica cannot provide it."""
+        with self._cv:
+            if self.shadow is None or not self.ok or self.generation != generation:
+                return None
+            t0 = time.perf_counter()
+            bufs = rec_fmt.encode_full(self.shadow.snapshot(), checksum=False)
+            n = sum(memoryview(b).nbytes for b in bufs)
+            out = np.empty(n, dtype=np.uint8)
+            pos = 0
+            for b in bufs:
+                mv = memoryview(b).cast("B")
+                out[pos:pos + mv.nbytes] = np.frombuffer(mv, dtype=np.uint8)
+                pos += mv.nbytes
+            step = self.shadow.step
+        ref = ray.put(out)
+        self._stats["snapshots"] += 1
+        self._stats["snapshot_seconds"] = time.perf_counter() - t0
+        return {"step": step, "ref": ref, "nbytes": n}
+
+    def status(self) -> dict:
+        with self._cv:
+            return {"node": self.node_id, "generation": self.generation,
+                    "step": None if self.shadow is None else self.shadow.step, "ok": self.ok,
+                    "reason": self.reason, "queued_chunks": len(self._queue), **self._stats}
+
+    def ping(self) -> str:
+        return self.node_id
+
+    # -- replica thread ----------------------------------------------------------------------------------------
+    def _coord(self):
+        if self._coordinator is None:
+            self._coordinator = ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
+        return self._coordinator
+
+    def _fail_locked(self, reason: str) -> None:
+        if self.ok:
+            log.warning("ray_ckpt replica: %s", reason)
+        self.ok, self.reason = False, reason
+        self._progress()
+
+    def _progress(self) -> None:
+        if self.generation is None:
+            return
+        try:
+            self._coord().replica_progress.remote(self.generation, -1 if self.shadow is None else self.shadow.step,
+                                                  self.node_id, self.ok, self.reason)
+        except Exception:  # noqa: BLE001 - the coordinator restarts; the next report gets through
+            self._coordinator = None
+
+    def _loop(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            with self._cv:
+                job = None
+                if self._reset is not None:
+                    job, self._reset = ("reset", self._reset), None
+                elif self.shadow is not None and self.ok and (self.shadow.step + 1) in self._queue:
+                    job = ("apply", self._queue.pop(self.shadow.step + 1))
+                elif self.shadow is not None and self.ok:
+                    # drop chunks we are already past (a resend); catch up when a chunk is missing too long
+                    for k in [k for k, v in self._queue.items() if v[0].last_step <= self.shadow.step]:
+                        del self._queue[k]
+                    if self._queue and time.monotonic() - idle_since > 3.0:
+                        job = ("rebuild", None)
+                elif self._rebuild:
+                    job = ("rebuild", None)
+                if job is None:
+                    self._cv.wait(0.2)
+                    continue
+            try:
+                if job[0] == "reset":
+                    m, ref = job[1]
+                    full = rec_fmt.decode_full(join(ray.get(ref)), m.object)
+                    self._install(ShadowState(full), m.generation)
+                elif job[0] == "apply":
+                    self._apply(*job[1])
+                else:
+                    self._rebuild_from_lineage()
+                idle_since = time.monotonic()
+            except ShadowError as e:
+                with self._cv:
+                    self.shadow = None
+                    self._fail_locked(str(e))
+            except Exception as e:  # noqa: BLE001 - never die silently: report and wait for the next full
+                log.exception("ray_ckpt replica: failed")
+                with self._cv:
+                    self.shadow = None
+                    self._fail_locked(f"{type(e).__name__}: {e}")
+            if job[0] == "rebuild":
+                time.sleep(0.5)
+
+    def _install(self, shadow: ShadowState, generation: int) -> None:
+        with self._cv:
+            self.shadow, self.generation = shadow, generation
+            self.ok, self.reason = True, ""
+            self._rebuild = False
+        self._progress()
+
+    def _apply(self, m: Manifest, ref) -> None:
+        records = decode_object(impl_by_name(m.strategy), join(ray.get(ref)), m.object)
+        t0 = time.perf_counter()
+        with self._cv:
+            shadow = self.shadow
+            records = [r for r in records if r.step > shadow.step]
+            # stop at each full-checkpoint step of the policy to write it from this exact state
+            while records:
+                cut = next((i + 1 for i, r in enumerate(records) if r.step % self.full_every == 0), len(records))
+                shadow.apply(records[:cut])
+                self._stats["applied_steps"] += cut
+                if shadow.step % self.full_every == 0:
+                    self._write_full(shadow, m.generation)
+                records = records[cut:]
+        self._stats["apply_seconds"] += time.perf_counter() - t0
+        self._progress()
+
+    def _write_full(self, shadow: ShadowState, generation: int) -> None:
+        """Encode and write the full of the current step (replica thread, state lock held)."""
+        t0 = time.perf_counter()
+        bufs = rec_fmt.encode_full(shadow.snapshot())
+        crc, n = segments.object_crc(bufs)
+        name = full_name(generation, shadow.step)
+        m = Manifest(kind="full", generation=generation, first_step=shadow.step, last_step=shadow.step,
+                     object=object_key(name), nbytes=n, crc32=crc, strategy=shadow.strategy,
+                     info={"computed_on": "replica", "trainer_device": shadow.layout.get("device", "cpu")})
+        self.storage.write(m.object, bufs)
+        self.storage.write(m.key, m.to_json())
+        self._stats["fulls_written"] += 1
+        self._stats["full_seconds"] += time.perf_counter() - t0
+        self._coord().update.remote(self.node_id, [("durable", m.to_json(), [m.name])])
+
+    def _rebuild_from_lineage(self) -> None:
+        """Newest full + held/durable diffs of the run's latest recoverable step (off the training thread)."""
+        from ray_ckpt.runtime.client import load_plan
+        plan = ray.get(self._coord().plan.remote(None), timeout=60)
+        if "error" in plan:
+            with self._cv:
+                self._rebuild = False  # nothing to rebuild from yet: the next full resets us
+            return
+        chain, _ = load_plan(self.storage, plan)
+        shadow = ShadowState(chain.full)
+        shadow.apply(chain.records)
+        self._stats["rebuilds"] += 1
+        log.info("ray_ckpt replica: rebuilt at step %d of generation %d", shadow.step, plan["generation"])
+        self._install(shadow, plan["generation"])
+
+
+_remote_cls = None
+
+
+def get_or_create_replica(run: str, node_id: str, storage, *, full_every: int, max_lag: int):
+    """The run's replica actor (created on ``node_id``, soft affinity, if missing). Any process."""
+    global _remote_cls
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    name = naming.replica_name(run)
+    try:
+        return ray.get_actor(name, namespace=naming.NAMESPACE)
+    except ValueError:
+        pass
+    if _remote_cls is None:
+        _remote_cls = ray.remote(ReplicaActor)
+    return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
+                               max_restarts=-1, max_task_retries=-1, max_concurrency=4, num_cpus=0,
+                               scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True)
+                               ).remote(run, storage, full_every, max_lag)
