@@ -65,7 +65,8 @@ def cmd_ls(storage, args) -> int:
         steps = lineage.reachable_steps(gen)
         rows.append({"generation": gen, "fulls": [m.last_step for m in fulls], "diff_objects": len(diffs),
                      "full_bytes": sum(m.nbytes for m in fulls), "diff_bytes": sum(m.nbytes for m in diffs),
-                     "recoverable": _ranges(steps), "strategy": sorted({m.strategy for m in ms})})
+                     "recoverable": _ranges(steps), "strategy": sorted({m.strategy for m in ms}),
+                     "gaps": _ranges(lineage.uncovered_steps(gen))})
     head = lineage.head()
     if args.json:
         print(json.dumps({"uri": storage.describe(), "head": head, "generations": rows,
@@ -75,7 +76,8 @@ def cmd_ls(storage, args) -> int:
     for r in rows:
         print(f"  generation {r['generation']} ({', '.join(r['strategy'])}): fulls at {r['fulls']}, "
               f"{r['diff_objects']} diff objects; {_human(r['full_bytes'])} full + {_human(r['diff_bytes'])} "
-              f"diffs; recoverable steps {r['recoverable']}")
+              f"diffs; recoverable steps {r['recoverable']}"
+              + (f"; GAP (lost steps) {r['gaps']}" if r["gaps"] != "-" else ""))
     for key in bad:
         print(f"  malformed manifest ignored: {key}")
     return 0 if head is not None else 1

@@ -296,6 +296,7 @@ class CaptureBase:
                     decision = StepDecision(full=True, close_batch=True)
                 elif decision.full and delegated:   # the state tier takes this full: only the clock moves
                     self.last_full_step = rec.step
+                    rec.full_delegated = True          # the replica writes it (exactly one writer per full)
                     decision = StepDecision(full=False, close_batch=decision.close_batch)
             full = None
             if decision.full:

@@ -118,6 +118,19 @@ class Lineage:
                             todo.append(q)
         return sorted(s for s in steps if cap is None or s <= cap)
 
+    def uncovered_steps(self, gen: int) -> list[int]:
+        """Steps of ``gen`` between its first full and the last step any of its objects holds that no object
+        holds: steps lost for good (a *gap*: held nowhere and never written)."""
+        ms = self._gens.get(gen, [])
+        start = self.start_of(gen)
+        if start is None:
+            return []
+        covered = set()
+        for m in ms:
+            covered.update(range(m.first_step, m.last_step + 1))
+        top = max(covered)
+        return [s for s in range(start, top) if s not in covered]
+
     def head(self) -> int | None:
         """The latest recoverable step on the current timeline, or None."""
         for gen in sorted(self._gens, reverse=True):

@@ -82,13 +82,22 @@ class Coordinator:
         self._rebuild()
 
     # -- state ---------------------------------------------------------------------------------------------------
-    def _rebuild(self) -> None:
+    def _refresh_durable(self) -> None:
+        """Add every committed manifest on storage (a worker that died may have written objects whose reports
+        it never sent)."""
         lineage, bad = load_lineage(self.storage, strict=False)
         for key in bad:
             log.warning("ray_ckpt coordinator: ignoring malformed manifest %s", key)
         for m in lineage.manifests:
-            self.entries[m.name] = _Entry(m, durable=True)
-        self._last_generation = max((m.generation for m in lineage.manifests), default=0)
+            e = self.entries.get(m.name)
+            if e is None:
+                self.entries[m.name] = _Entry(m, durable=True)
+            else:
+                e.durable = True
+        self._last_generation = max([self._last_generation] + [m.generation for m in lineage.manifests])
+
+    def _rebuild(self) -> None:
+        self._refresh_durable()
         for name in ray.util.list_named_actors(all_namespaces=True):
             aname = name["name"] if isinstance(name, dict) else name
             if not aname.startswith(naming.worker_prefix(self.run)):
@@ -170,6 +179,7 @@ class Coordinator:
         """A (re)started worker holds nothing: forget its old object references, persist what only a peer
         still holds of what it had received."""
         self.drop_node(node_id)
+        self._refresh_durable()
         self._heal(node_id)
 
     def _heal(self, lost: str) -> None:
@@ -205,28 +215,21 @@ class Coordinator:
             return
         self._last_gap_check = now
         gen = self._last_generation
-        ms = [e.manifest for e in self.entries.values() if e.manifest.generation == gen]
-        fulls = sorted(m.last_step for m in ms if m.kind == "full")
-        if not fulls:
-            return
-        covered = set(fulls)
-        for m in ms:
-            if m.kind == "diff":
-                covered.update(range(m.first_step, m.last_step + 1))
-        top = max(covered)
-        holes = [s for s in range(fulls[0], top) if s not in covered]
+        holes = Lineage([e.manifest for e in self.entries.values() if e.manifest.generation == gen]
+                        ).uncovered_steps(gen)
         current = {(gen, s) for s in holes}
         for key in list(self._holes):
             if key not in current:
                 del self._holes[key]
         for key in current:
             self._holes.setdefault(key, now)
-        overdue = sorted(s for (g, s), t0 in self._holes.items() if now - t0 >= GAP_GRACE_S)
-        if not overdue:
-            return
         known = {(g["generation"], s) for g in self.gaps for s in range(g["first"], g["last"] + 1)}
-        new = [s for s in overdue if (gen, s) not in known]
+        new = sorted(s for (g, s), t0 in self._holes.items() if now - t0 >= GAP_GRACE_S and (g, s) not in known)
         if not new:
+            return
+        if not force:   # before calling it a gap: commits whose reports a dead worker never sent
+            self._refresh_durable()
+            self._check_gaps(force=True)
             return
         for first, last in _runs(new):
             self.gaps.append({"generation": gen, "first": first, "last": last, "time": time.time()})
@@ -256,7 +259,11 @@ class Coordinator:
         next step (consumed); ``delegate`` — the replica materializes the policy's fulls."""
         want = generation in self._want_full
         self._want_full.discard(generation)
-        return {"want_full": want, "delegate": self._replica_usable(generation)}
+        gaps = [g for g in self.gaps if g["generation"] == generation and not g.get("told")]
+        for g in gaps:
+            g["told"] = True
+        return {"want_full": want, "delegate": self._replica_usable(generation),
+                "gaps": [(g["first"], g["last"]) for g in gaps]}
 
     def request_full(self, generation: int, reason: str) -> None:
         """Ask the trainer of ``generation`` for a full at its next step (e.g. the replica restarted)."""
@@ -318,8 +325,12 @@ class Coordinator:
         if p is None:
             try:
                 p = self._lineage().resolve(step)
-            except NoCheckpointError as err:
-                return {"error": str(err)}
+            except NoCheckpointError:
+                self._refresh_durable()
+                try:
+                    p = self._lineage().resolve(step)
+                except NoCheckpointError as err:
+                    return {"error": str(err)}
         sources = []
         for m in p.objects:
             e = self.entries[m.name]

@@ -4,8 +4,9 @@ The node's PersistenceWorker forwards every chunk it receives (the attach full, 
 actor. A thread applies them in step order to a :class:`ray_ckpt.engine.shadow.ShadowState` — restore's own
 replay — so the replica is at most a few steps behind the trainer. It
 
-* materializes the policy's full checkpoints (steps that are multiples of ``full_every``) from its own state,
-  encodes and writes them (the trainer takes no fulls while the replica is healthy);
+* materializes the policy's full checkpoints from its own state, encodes and writes them: the trainer takes no
+  fulls while the replica is healthy and names the steps it delegated in each chunk's manifest
+  (``info["replica_fulls"]``), so every full has exactly one writer;
 * hands its state over for zero-replay recovery of the latest step (:meth:`snapshot`);
 * reports its progress to the coordinator, which decides whether the trainer may delegate fulls to it.
 
@@ -163,6 +164,9 @@ class ReplicaActor:
                 else:
                     self._rebuild_from_lineage()
                 idle_since = time.monotonic()
+            except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError) as e:
+                # the worker holding that chunk died: its resend (or a rebuild from the lineage) follows
+                log.info("ray_ckpt replica: chunk unavailable (%s); waiting for it again", type(e).__name__)
             except ShadowError as e:
                 with self._cv:
                     self.shadow = None
@@ -188,12 +192,14 @@ class ReplicaActor:
         with self._cv:
             shadow = self.shadow
             records = [r for r in records if r.step > shadow.step]
-            # stop at each full-checkpoint step of the policy to write it from this exact state
+            # stop at each full the trainer delegated to us, to write it from this exact state (the trainer
+            # names them in the chunk's manifest: one writer per full, never two)
+            fulls = set(m.info.get("replica_fulls", []))
             while records:
-                cut = next((i + 1 for i, r in enumerate(records) if r.step % self.full_every == 0), len(records))
+                cut = next((i + 1 for i, r in enumerate(records) if r.step in fulls), len(records))
                 shadow.apply(records[:cut])
                 self._stats["applied_steps"] += cut
-                if shadow.step % self.full_every == 0:
+                if shadow.step in fulls:
                     self._write_full(shadow, m.generation)
                 records = records[cut:]
         self._stats["apply_seconds"] += time.perf_counter() - t0

@@ -197,6 +197,9 @@ class RaySink(BoundedSink):
             recs = [r for r, _ in items]
             bufs, info = self.impl.encode_diffs(recs)
             info = dict(info)
+            delegated = [r.step for r in recs if getattr(r, "full_delegated", False)]
+            if delegated:
+                info["replica_fulls"] = delegated   # the replica writes the fulls of these steps
             kind, last = "diff", recs[-1].step
             first = info.pop("first_step", recs[0].step)
             name = diff_name(self.generation, first, last)
@@ -266,6 +269,9 @@ class RaySink(BoundedSink):
                 try:
                     got = ray.get(self._control_ref)
                     self._control["delegate"] = got["delegate"]
+                    for first, last in got.get("gaps", []):
+                        log.warning("ray_ckpt: lost steps %d..%d of run %r (held nowhere, never written): they "
+                                    "cannot be restored; taking a full checkpoint now", first, last, self.run)
                     if got["want_full"]:
                         self._control["want_full"] = True
                 except Exception as e:  # noqa: BLE001 - the coordinator restarts: keep the last answer

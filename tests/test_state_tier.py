@@ -1,0 +1,284 @@
+"""The state tier and the fast-step data path on a real multi-node local Ray cluster.
+
+Each test trains the small MLP of tests/_training.py with runtime="ray", then compares restored states with an
+uninterrupted reference run (torch.equal on every tensor): replica fulls, zero-replay restores, a killed node
+worker, a killed replica, a removed node, a forced gap, and the number of actor calls per step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import pytest
+import ray
+import torch
+
+import ray_ckpt
+from ray_ckpt.cli.main import main as cli_main
+from ray_ckpt.engine.restore import load_lineage
+from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.client import load_via_coordinator
+from ray_ckpt.runtime.coordinator import shutdown_run
+from ray_ckpt.storage import open_storage
+from tests import _training as T
+
+pytestmark = pytest.mark.ray
+
+
+def _reference_states(steps):
+    """The uninterrupted run's state after every step 0..steps."""
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    sch = T.make_scheduler(opt)
+    out = [T.snapshot(model, opt, sch)]
+    for s in range(steps):
+        T.train_step("mlp", model, opt, sch, s)
+        out.append(T.snapshot(model, opt, sch))
+    return out
+
+
+def _fresh():
+    model = T.make_model("mlp", seed=77)
+    opt = T.make_optimizer("adamw", model)
+    return model, opt, T.make_scheduler(opt)
+
+
+def _coord(run):
+    return ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
+
+
+def _wait(cond, timeout=60.0, what="condition"):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _wait_delegated(ck, timeout=60.0):
+    _wait(lambda: ck.stats()["runtime"]["delegated_fulls"], timeout, "the replica to take over fulls")
+
+
+def _wait_replica_at(run, step, timeout=60.0):
+    def ok():
+        r = ray.get(_coord(run).status.remote())["replica"]
+        return r is not None and r["ok"] and r["step"] == step
+    _wait(ok, timeout, f"the replica to reach step {step}")
+
+
+def _assert_restores(uri, run, ref, steps, runtime="ray"):
+    for s in steps:
+        m, o, sc = _fresh()
+        got = ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime=runtime, run=run)
+        assert got == s
+        T.assert_same(ref[s], T.snapshot(m, o, sc), f"step {s} ({runtime})")
+
+
+@pytest.fixture
+def run_env(tmp_path, ray_cluster):  # noqa: F811
+    run = f"st-{uuid.uuid4().hex[:8]}"
+    yield run, str(tmp_path / "ckpt")
+    shutdown_run(run)
+
+
+def test_replica_writes_the_fulls_and_restores_the_latest_step_with_zero_replay(run_env):
+    run, uri = run_env
+    ref = _reference_states(50)
+    model, opt, sch = T.make_model("mlp"), None, None
+    opt = T.make_optimizer("adamw", model)
+    sch = T.make_scheduler(opt)
+    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=10,
+                               batch_steps=4)
+    _wait_delegated(ck)
+    for s in range(50):
+        T.train_step("mlp", model, opt, sch, s)
+    ck.flush()
+    _wait_replica_at(run, 50)
+    stats = ck.stats()
+    assert stats["trainer_fulls"] == 1, stats      # the attach full only
+    ck.close()
+
+    storage = open_storage(uri)
+    lineage, _ = load_lineage(storage)
+    fulls = {m.last_step: m for m in lineage.manifests if m.kind == "full"}
+    assert sorted(fulls) == [0, 10, 20, 30, 40, 50]
+    assert all(fulls[s].info.get("computed_on") == "replica" for s in (10, 20, 30, 40, 50))
+    assert "computed_on" not in fulls[0].info
+    _assert_restores(uri, run, ref, [10, 20, 30, 40, 50], runtime="local")   # each full alone, bitwise
+
+    chain, tiers = load_via_coordinator(storage, None, run=run)
+    assert chain.step == 50 and tiers["replica"] == 1 and tiers["replayed"] == 0
+    m, o, sc = _fresh()
+    assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == 50
+    T.assert_same(ref[50], T.snapshot(m, o, sc), "latest from the replica")
+
+
+def test_batches_are_one_actor_call_each_and_stay_whole(run_env):
+    run, uri = run_env
+    ref = _reference_states(40)
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    sch = T.make_scheduler(opt)
+    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=1000,
+                               batch_steps=10, handoff_delay=30.0, replica=False)
+    sent0 = ck._writer.chunks_sent
+    for s in range(40):
+        T.train_step("mlp", model, opt, sch, s)
+    ck.close()
+    sent = ck._writer.chunks_sent - sent0
+    assert sent <= 40 // 10 + 1, sent   # at most one hand-off per batch (+1: the record finalized at close)
+    lineage, _ = load_lineage(open_storage(uri))
+    diffs = sorted((m.first_step, m.last_step) for m in lineage.manifests if m.kind == "diff")
+    assert diffs == [(1, 10), (11, 20), (21, 30), (31, 40)], diffs
+    _assert_restores(uri, run, ref, [0, 7, 10, 23, 40], runtime="local")
+
+
+@ray.remote(num_cpus=0)
+class _Trainer:
+    """Trains in its own process on a chosen node (a plain Ray actor: no Ray Train)."""
+
+    def __init__(self, uri, run, **kw):
+        self.model = T.make_model("mlp")
+        self.opt = T.make_optimizer("adamw", self.model)
+        self.sch = T.make_scheduler(self.opt)
+        self.ck = ray_ckpt.Checkpointer(uri, self.model, self.opt, scheduler=self.sch, runtime="ray", run=run,
+                                        **kw)
+        self.run = run
+        self.step = 0
+
+    def node(self):
+        return ray.get_runtime_context().get_node_id()
+
+    def train(self, steps, kill_worker_at=None):
+        for _ in range(steps):
+            T.train_step("mlp", self.model, self.opt, self.sch, self.step)
+            self.step += 1
+            if self.step == kill_worker_at:
+                w = ray.get_actor(naming.worker_name(self.run, self.node()), namespace=naming.NAMESPACE)
+                ray.kill(w, no_restart=False)
+        return self.step
+
+    def flush(self):
+        self.ck.flush()
+
+    def close(self):
+        self.ck.close()
+        return self.ck.stats()
+
+
+def _trainer_on_new_node(cluster, uri, run, **kw):
+    node = cluster.add_node(num_cpus=1, object_store_memory=200 << 20, resources={"trainer": 1})
+    cluster.wait_for_nodes()
+    tr = _Trainer.options(resources={"trainer": 0.01}).remote(uri, run, **kw)
+    return node, tr
+
+
+def test_killed_node_worker_then_lost_node_leave_no_hole(run_env, ray_cluster):
+    run, uri = run_env
+    ref = _reference_states(30)
+    node, tr = _trainer_on_new_node(ray_cluster, uri, run, full_every=10, batch_steps=4)
+    try:
+        assert ray.get(tr.train.remote(30, kill_worker_at=12), timeout=300) == 30
+        stats = ray.get(tr.close.remote(), timeout=300)
+        assert stats["last_committed_step"] == 30
+        _assert_restores(uri, run, ref, range(31))                       # memory tier + storage
+        _assert_restores(uri, run, ref, range(0, 31, 3), runtime="local")  # storage alone
+    finally:
+        ray_cluster.remove_node(node)
+    _assert_restores(uri, run, ref, range(31))                           # after the node is gone
+
+
+def test_removed_trainer_node_restores_latest_from_the_replica_with_zero_replay(run_env, ray_cluster):
+    run, uri = run_env
+    ref = _reference_states(25)
+    node, tr = _trainer_on_new_node(ray_cluster, uri, run, full_every=100, batch_steps=5)
+    try:
+        assert ray.get(tr.train.remote(25), timeout=300) == 25
+        ray.get(tr.flush.remote(), timeout=300)
+        trainer_node = ray.get(tr.node.remote())
+        _wait_replica_at(run, 25)
+        assert ray.get(_coord(run).status.remote())["replica"]["node"] != trainer_node   # on a peer node
+    finally:
+        ray_cluster.remove_node(node)
+    storage = open_storage(uri)
+    chain, tiers = load_via_coordinator(storage, None, run=run)
+    assert chain.step == 25 and tiers["replica"] == 1 and tiers["replayed"] == 0
+    m, o, sc = _fresh()
+    assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == 25
+    T.assert_same(ref[25], T.snapshot(m, o, sc), "latest after the trainer node was lost")
+
+
+def test_killed_replica_is_rebuilt_and_follows_again(run_env):
+    run, uri = run_env
+    ref = _reference_states(40)
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    sch = T.make_scheduler(opt)
+    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=10,
+                               batch_steps=4)
+    for s in range(15):
+        T.train_step("mlp", model, opt, sch, s)
+    ck.flush()
+    ray.kill(ray.get_actor(naming.replica_name(run), namespace=naming.NAMESPACE), no_restart=False)
+    for s in range(15, 40):
+        T.train_step("mlp", model, opt, sch, s)
+        time.sleep(0.05)
+    ck.flush()
+    _wait_replica_at(run, 40, timeout=120)
+    rep = ray.get(ray.get_actor(naming.replica_name(run), namespace=naming.NAMESPACE).status.remote())
+    assert rep["rebuilds"] >= 1 or rep["step"] == 40
+    chain, tiers = load_via_coordinator(open_storage(uri), None, run=run)
+    assert chain.step == 40 and tiers["replica"] == 1 and tiers["replayed"] == 0
+    m, o, sc = _fresh()
+    assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == 40
+    T.assert_same(ref[40], T.snapshot(m, o, sc), "latest after the replica was rebuilt")
+    ck.close()
+
+
+def test_a_forced_gap_is_logged_shown_and_closed_by_a_full(run_env, caplog, capsys, monkeypatch):
+    run, uri = run_env
+    ref = _reference_states(40)
+    from ray_ckpt.runtime import sink as sink_mod
+    real_send = sink_mod.RaySink._send
+    dropped = []
+
+    def lossy_send(self, c):   # a test double that loses the chunk holding step 13, for good
+        m = c.manifest
+        if m.kind == "diff" and m.first_step <= 13 <= m.last_step and not dropped:
+            dropped.append(m.name)
+            self._unsafe.pop(m.name, None)
+            self._release(c.size)
+            return
+        return real_send(self, c)
+
+    monkeypatch.setattr(sink_mod.RaySink, "_send", lossy_send)
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    sch = T.make_scheduler(opt)
+    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=1000,
+                               batch_steps=4, replica=False)
+    caplog.set_level(logging.WARNING, logger="ray_ckpt")
+    step = 0
+    while step < 20 or ck.stats()["trainer_fulls"] < 2:
+        T.train_step("mlp", model, opt, sch, step)
+        step += 1
+        time.sleep(0.05)
+        assert step < 40, "no full checkpoint was taken after the gap"
+    for s in range(step, 40):
+        T.train_step("mlp", model, opt, sch, s)
+    ck.close()
+    assert dropped
+    gaps = ray.get(_coord(run).status.remote())["gaps"]
+    assert gaps and gaps[0]["first"] <= 13 <= gaps[0]["last"]
+    assert any("lost steps" in r.getMessage() for r in caplog.records), caplog.text
+    full_after = min(m.last_step for m in load_lineage(open_storage(uri))[0].manifests
+                     if m.kind == "full" and m.last_step > 0)
+    assert gaps[0]["last"] < full_after <= step
+    _assert_restores(uri, run, ref, range(full_after, 41, 3), runtime="local")
+    with pytest.raises(ray_ckpt.NoCheckpointError):
+        ray_ckpt.restore(uri, *_fresh()[:2], step=13)
+    capsys.readouterr()
+    assert cli_main(["ls", uri]) == 0
+    out = capsys.readouterr().out
+    assert "gap" in out.lower() and "13" in out
