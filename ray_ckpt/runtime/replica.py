@@ -52,7 +52,8 @@ class ReplicaActor:
         self._cv = threading.Condition()
         self._queue: dict[int, tuple[Manifest, object]] = {}   # first_step -> chunk of the current generation
         self._reset: tuple[Manifest, object] | None = None
-        self._rebuild = True                                    # (re)started: catch up from the lineage
+        # a restarted replica catches up from the lineage; a new one is fed the attach full
+        self._rebuild = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self._stats = {"applied_steps": 0, "apply_seconds": 0.0, "fulls_written": 0, "full_seconds": 0.0,
                        "snapshots": 0, "rebuilds": 0}
         self._coordinator = None
@@ -135,6 +136,9 @@ class ReplicaActor:
             self._coordinator = None
 
     def _loop(self) -> None:
+        # the first optimizer built in a process imports torch._dynamo (seconds on a busy machine): do it now,
+        # while the attach full is on its way, not when the first chunk is waiting
+        import torch._dynamo  # noqa: F401
         idle_since = time.monotonic()
         while True:
             with self._cv:
