@@ -73,7 +73,8 @@ class Checkpointer:
             self.generation = lineage.next_generation()
             self._writer = AsyncWriter(self.storage, self.generation, impl,
                                        max_pending_bytes=self.config.max_pending_bytes,
-                                       write_retries=self.config.write_retries, info=info)
+                                       write_retries=self.config.write_retries, info=info,
+                                       index=lineage.manifests)
             policy = FixedFrequencyPolicy(self.config.full_every, self.config.batch_steps)
         else:
             from ray_ckpt.runtime.client import attach_sink

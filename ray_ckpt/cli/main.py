@@ -103,7 +103,7 @@ def cmd_inspect(storage, args) -> int:
 
 def cmd_verify(storage, args) -> int:
     try:
-        lineage, bad = load_lineage(storage, strict=False)
+        lineage, bad = load_lineage(storage, strict=False, use_index=False)  # verify reads everything
     except ManifestError as e:
         print(f"ray-ckpt: {e}", file=sys.stderr)
         return 1

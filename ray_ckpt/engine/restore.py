@@ -19,6 +19,8 @@ from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import MANIFESTS_DIR, Lineage, Manifest, ManifestError, NoCheckpointError, Plan
+from ray_ckpt.lineage import index as lineage_index
+from ray_ckpt.storage import ObjectNotFound, StorageError
 
 log = logging.getLogger("ray_ckpt")
 
@@ -36,20 +38,58 @@ class LoadedChain:
         return self.plan.step
 
 
-def load_lineage(storage, *, strict: bool = True) -> tuple[Lineage, list[str]]:
-    """Read every committed manifest. Malformed ones raise :class:`ManifestError` when ``strict``; otherwise
-    they are skipped and their keys returned as the second element."""
-    manifests, bad = [], []
-    for key in storage.list(MANIFESTS_DIR):
+def load_lineage(storage, *, strict: bool = True, use_index: bool = True) -> tuple[Lineage, list[str]]:
+    """Every committed manifest. Malformed ones raise :class:`ManifestError` when ``strict``; otherwise
+    they are skipped and their keys returned as the second element.
+
+    With ``use_index`` the lineage index (:mod:`ray_ckpt.lineage.index`) is read first and only the manifests
+    committed after it are listed and read: a bounded number of requests however long the run. Without an
+    index (or with a broken one) every manifest is listed and read."""
+    if use_index:
+        got = _load_indexed(storage, strict)
+        if got is not None:
+            return got
+    return _load_listed(storage, storage.list(MANIFESTS_DIR), strict, [])
+
+
+def _load_listed(storage, keys, strict: bool, manifests: list) -> tuple[Lineage, list[str]]:
+    bad = []
+    for key in keys:
         if not key.endswith(".json"):
             continue
         try:
             manifests.append(Manifest.from_json(storage.read(key), key))
+        except ObjectNotFound:
+            continue  # deleted (garbage-collected) between the listing and the read
         except ManifestError:
             if strict:
                 raise
             bad.append(key)
-    return Lineage(manifests), bad
+    return Lineage(_dedupe(manifests)), bad
+
+
+def _dedupe(manifests: list) -> list:
+    by_name = {}
+    for m in manifests:  # later entries (read from storage) win over the index's copies
+        by_name[m.name] = m
+    return list(by_name.values())
+
+
+def _load_indexed(storage, strict: bool) -> tuple[Lineage, list[str]] | None:
+    try:
+        data = storage.read(lineage_index.INDEX_KEY)
+    except ObjectNotFound:
+        return None
+    except StorageError as e:
+        log.warning("ray_ckpt: lineage index unreadable (%s); listing every manifest", e)
+        return None
+    try:
+        gen, marks, manifests = lineage_index.decode_index(data)
+    except lineage_index.IndexError_ as e:
+        log.warning("ray_ckpt: %s; listing every manifest", e)
+        return None
+    newer = lineage_index.newer_keys(storage, gen, marks)
+    return _load_listed(storage, newer, strict, list(manifests))
 
 
 def read_object(storage, m: Manifest, reader: Callable[[Manifest], Any] | None = None) -> Any:
@@ -88,6 +128,7 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
     """Resolve ``step`` (None = latest) and load it; with ``fallback``, skip corrupt objects (and malformed
     manifests) and take the latest good step at or before the request, logging what was skipped."""
     bad_manifests: list[str] = []
+    indexed = lineage is None
     if lineage is None:
         lineage, bad_manifests = load_lineage(storage, strict=not fallback)
     for key in bad_manifests:
@@ -101,6 +142,15 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
             plan = _resolve_at_most(lin, step)
         try:
             return load_chain(storage, plan, reader)
+        except ObjectNotFound:
+            if not indexed:
+                raise
+            # the index named an object deleted since (garbage collection): plan from a full listing
+            log.info("ray_ckpt: the lineage index is stale; listing every manifest")
+            indexed = False
+            lineage, bad_manifests = load_lineage(storage, strict=not fallback, use_index=False)
+            excluded = set()
+            continue
         except CorruptObjectError as e:
             if not fallback:
                 raise
