@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ray_ckpt
-from ray_ckpt.engine.restore import load_lineage, resolve_and_load
+from ray_ckpt.engine.restore import load_lineage, plan_restore, resolve_and_load
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.lineage import index as lineage_index
 
@@ -95,9 +95,10 @@ def _store(storage, manifests, index_of):
 
 
 def _plan_requests(storage):
+    """Plan a restore of the latest step as ``restore`` does (index, newer manifests, the plan's manifests
+    re-checked), counting the storage calls."""
     counting = CountingStorage(storage)
-    lineage, bad = load_lineage(counting, strict=False)
-    plan = lineage.resolve(None)
+    plan, _, bad = plan_restore(counting, None, strict=False)
     return counting, plan, bad
 
 
@@ -117,6 +118,7 @@ def test_planning_on_s3_is_bounded_at_10000_steps(s3_server, batch, full_every):
         assert not bad
         assert plan.step == steps + 5 * batch and plan.full.last_step == steps and len(plan.diffs) == 5
         counts[steps] = counting.total
+        print(f"{steps} steps: {dict(counting.calls)}")
         assert counting.total < 20, counting.calls
         assert counting.calls["list"] == 0  # only bounded listings (after the watermarks)
     # the request count does not grow with the number of steps

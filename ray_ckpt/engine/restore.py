@@ -89,7 +89,35 @@ def _load_indexed(storage, strict: bool) -> tuple[Lineage, list[str]] | None:
         log.warning("ray_ckpt: %s; listing every manifest", e)
         return None
     newer = lineage_index.newer_keys(storage, gen, marks)
-    return _load_listed(storage, newer, strict, list(manifests))
+    lineage, bad = _load_listed(storage, newer, strict, list(manifests))
+    fresh = {k.rsplit("/", 1)[-1][:-len(".json")] for k in newer}
+    lineage.from_index = {m.name for m in manifests} - fresh  # copies: checked against storage by plan_restore
+    return lineage, bad
+
+
+def plan_restore(storage, step: int | None, lineage: Lineage | None = None, *, strict: bool = True
+                 ) -> tuple[Plan, Lineage, list[str]]:
+    """Resolve ``step`` (None = latest) from the lineage (read with the index when there is one). The plan's
+    manifests that came from the index are re-read from storage (their commit markers): when one is gone
+    (garbage-collected) or differs, the lineage is rebuilt from a full listing. Requests: the index's
+    bounded count plus one per object of the plan."""
+    bad: list[str] = []
+    if lineage is None:
+        lineage, bad = load_lineage(storage, strict=strict)
+    plan = lineage.resolve(step)
+    copies = getattr(lineage, "from_index", set())
+    for m in plan.objects:
+        if m.name not in copies:
+            continue
+        try:
+            same = Manifest.from_json(storage.read(m.key), m.key) == m
+        except (ObjectNotFound, ManifestError):
+            same = False
+        if not same:
+            log.info("ray_ckpt: the lineage index is stale (%s); listing every manifest", m.name)
+            lineage, bad = load_lineage(storage, strict=strict, use_index=False)
+            return lineage.resolve(step), lineage, bad
+    return plan, lineage, bad
 
 
 def read_object(storage, m: Manifest, reader: Callable[[Manifest], Any] | None = None) -> Any:
@@ -131,6 +159,10 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
     indexed = lineage is None
     if lineage is None:
         lineage, bad_manifests = load_lineage(storage, strict=not fallback)
+        try:  # re-checks the plan's manifests that came from the index (rebuilds the lineage if stale)
+            _, lineage, bad_manifests = plan_restore(storage, step, lineage, strict=not fallback)
+        except NoCheckpointError:
+            pass  # resolved again below (with fallback rules)
     for key in bad_manifests:
         log.warning("ray_ckpt: ignoring malformed manifest %s", key)
     excluded: set[str] = set()

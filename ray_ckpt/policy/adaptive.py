@@ -344,3 +344,49 @@ class PolicyTuner:
                        young_daly_full_every=c.young_daly_full_every, feasible=c.feasible,
                        inputs=c.inputs.to_dict())
         return out
+
+
+# -- glue for the owners (coordinator actor, local writer thread) and readers (stats, CLI) ---------------------
+#: where the latest policy report is published on storage (``ray-ckpt inspect`` shows it)
+POLICY_REPORT_KEY = "lineage/policy.json"
+
+
+def make_tuner(full_every: int, batch_steps: int, *, pinned=frozenset(), mtbf_hint: float = 86400.0,
+               background_cost: float = 0.25, request_budget: float = 0.0, max_full_every: int = 10_000,
+               memory_budget: float = 0.0, started_at: float = 0.0,
+               policy: AdaptivePolicy | None = None) -> PolicyTuner:
+    """A :class:`PolicyTuner` from the :class:`~ray_ckpt.config.CheckpointConfig` knobs (any process)."""
+    model = CostModel(mtbf_hint=mtbf_hint, background_cost=background_cost, started_at=started_at)
+    limits = Limits(max_full_every=max_full_every, max_batch_steps=min(1000, max_full_every),
+                    memory_budget=memory_budget, request_budget=request_budget)
+    return PolicyTuner(model, limits=limits, full_every=full_every, batch_steps=batch_steps,
+                       pinned=frozenset(pinned), policy=policy)
+
+
+def observe_manifest_commit(tuner: PolicyTuner, *, kind: str, first_step: int, last_step: int, nbytes: int,
+                            created: float, now: float) -> None:
+    """Coordinator: a durable commit report. The persistence-tier time is taken as ``now - created`` (the
+    manifest is made when the object is encoded; clocks of one cluster are assumed synchronized)."""
+    tuner.observe_commit(kind=kind, nbytes=nbytes, write_s=max(0.0, now - created),
+                         steps=last_step - first_step + 1)
+
+
+def publish_report(storage, report: dict) -> None:
+    """Write ``report`` to :data:`POLICY_REPORT_KEY` (best effort: a failure is returned to no one)."""
+    import json
+
+    try:
+        storage.write(POLICY_REPORT_KEY, json.dumps(report, default=str, sort_keys=True).encode())
+    except Exception:  # noqa: BLE001 - a report must never fail a commit or a failure record
+        pass
+
+
+def read_report(storage) -> dict | None:
+    """The published policy report, or None (missing or unreadable). CLI / any process."""
+    import json
+
+    try:
+        d = json.loads(storage.read(POLICY_REPORT_KEY))
+    except Exception:  # noqa: BLE001
+        return None
+    return d if isinstance(d, dict) else None

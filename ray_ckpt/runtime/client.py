@@ -32,11 +32,18 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict):
     _require_ray()
     run = run_name(storage, run)
     coord = get_or_create_coordinator(run, storage, full_every=config.full_every, batch_steps=config.batch_steps,
-                                      keep_fulls=config.keep_fulls)
+                                      keep_fulls=config.keep_fulls,
+                                      policy_options=config.policy_options())  # [policy #14]
     generation, policy = ray.get([coord.new_generation.remote(), coord.get_policy.remote()])
     sink = RaySink(run, storage, impl, generation, max_pending_bytes=config.max_pending_bytes,
                    batch_steps=config.batch_steps, memory_budget=config.memory_budget, info=info)
     return run, generation, policy, sink
+
+
+def policy_report(storage, run: str | None = None, timeout: float = 30.0) -> dict | None:
+    """The coordinator's adaptive-policy report (None without a coordinator). Training process / driver."""
+    coord = coordinator(storage, run)
+    return None if coord is None else ray.get(coord.policy_report.remote(), timeout=timeout)
 
 
 def coordinator(storage, run: str | None = None):
