@@ -19,6 +19,7 @@ from ray_ckpt.engine.restore import apply_chain, check_not_attached, load_lineag
 from ray_ckpt.engine.strategy import impl_for
 from ray_ckpt.engine.writer import AsyncWriter
 from ray_ckpt.policy import FixedFrequencyPolicy
+from ray_ckpt.policy.adaptive import AdaptivePolicy, make_tuner, publish_report
 from ray_ckpt import storage as _storage
 
 log = logging.getLogger("ray_ckpt")
@@ -38,6 +39,10 @@ class Checkpointer:
 
     ``extra_state``, ``scheduler`` and ``scaler`` are objects with ``state_dict()``/``load_state_dict()``; the
     same objects are given to :func:`restore`. Use as a context manager or call :meth:`close`.
+
+    ``policy="adaptive"`` (default) lets the policy choose ``full_every``/``batch_steps`` online from measured
+    costs and failures (``mtbf_hint``: prior MTBF in seconds); values given explicitly are kept, and
+    :meth:`policy_report` / ``stats()["policy"]`` say what it would choose and why. ``policy="fixed"``: never.
     """
 
     def __init__(self, uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -46,7 +51,8 @@ class Checkpointer:
                  storage_options: dict | None = None, start_step: int | None = None,
                  max_pending_bytes: int | None = None, capture_rng: bool | None = None,
                  runtime: str = "local", run: str | None = None, memory_budget: int | None = None,
-                 keep_fulls: int | None = None, replica: bool | None = None, handoff_delay: float | None = None):
+                 keep_fulls: int | None = None, replica: bool | None = None, handoff_delay: float | None = None,
+                 policy: str | None = None, mtbf_hint: float | None = None):
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -58,7 +64,8 @@ class Checkpointer:
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng,
                                                memory_budget=memory_budget, keep_fulls=keep_fulls,
-                                               replica=replica, handoff_delay=handoff_delay)
+                                               replica=replica, handoff_delay=handoff_delay,
+                                               policy=policy, mtbf_hint=mtbf_hint)
         self.runtime = runtime
         self.strategy = strategy
         self.storage = open_uri(uri, storage_options)
@@ -69,13 +76,16 @@ class Checkpointer:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         info = {"num_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
                 "optimizer": type(optimizer).__name__, "start_step": start_step}
+        self._tuner = None
         if runtime == "local":
             lineage, _ = load_lineage(self.storage, strict=False)
             self.generation = lineage.next_generation()
+            policy = self._local_policy()
             self._writer = AsyncWriter(self.storage, self.generation, impl,
                                        max_pending_bytes=self.config.max_pending_bytes,
-                                       write_retries=self.config.write_retries, info=info)
-            policy = FixedFrequencyPolicy(self.config.full_every, self.config.batch_steps)
+                                       write_retries=self.config.write_retries, info=info,
+                                       index=lineage.manifests,
+                                       on_commit=self._observe_commit if self._tuner is not None else None)
         else:
             from ray_ckpt.runtime.client import attach_sink
             self.run, self.generation, policy, self._writer = attach_sink(
@@ -95,6 +105,44 @@ class Checkpointer:
             raise
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.storage.describe(),
                  self.generation, start_step)
+
+    def _local_policy(self):
+        """runtime="local": the frequency policy; with policy="adaptive" a tuner fed by the writer thread."""
+        c = self.config
+        if c.policy == "fixed":
+            return FixedFrequencyPolicy(c.full_every, c.batch_steps)
+        policy = AdaptivePolicy(c.full_every, c.batch_steps, pinned=c.pinned, clock=time.perf_counter)
+        self._tuner = make_tuner(c.full_every, c.batch_steps, pinned=c.pinned, mtbf_hint=c.mtbf_hint,
+                                 background_cost=c.background_cost, request_budget=c.request_budget,
+                                 max_full_every=c.max_full_every, memory_budget=c.max_pending_bytes,
+                                 started_at=time.time(), policy=policy)
+        self._seen = (0.0, 0.0)
+        return policy
+
+    def _observe_commit(self, m) -> None:
+        """Writer thread, after each commit: feed the cost model, re-decide (rate-limited), publish changes."""
+        st = self._writer.stats
+        write_s, encode_s = st.write_seconds - self._seen[0], st.encode_seconds - self._seen[1]
+        self._seen = (st.write_seconds, st.encode_seconds)
+        capture = getattr(self, "_capture", None)
+        block = capture.last_snapshot_seconds if (m.kind == "full" and capture is not None) else None
+        self._tuner.observe_commit(kind=m.kind, nbytes=m.nbytes, write_s=write_s, encode_s=encode_s,
+                                   steps=m.last_step - m.first_step + 1, block_s=block)
+        self._tuner.model.observe_memory("writer", self._writer.pending_bytes)
+        before = len(self._tuner.history)
+        now = time.time()
+        self._tuner.decide(now)
+        if len(self._tuner.history) != before:
+            publish_report(self.storage, self._tuner.report(now))
+
+    def policy_report(self) -> dict | None:
+        """What the adaptive policy decides and why (None with policy="fixed"). Any thread."""
+        if self._tuner is not None:
+            return self._tuner.report(time.time())
+        if self.runtime == "ray":  # the coordinator owns the policy
+            from ray_ckpt.runtime.client import policy_report
+            return policy_report(self.storage, self.run)
+        return None
 
     @property
     def step(self) -> int:
@@ -132,7 +180,9 @@ class Checkpointer:
                "diff_bytes": s.diff_bytes, "full_bytes": s.full_bytes, "stall_seconds": s.stall_seconds,
                "write_seconds": s.write_seconds, "encode_seconds": s.encode_seconds,
                "capture_seconds": self._capture.capture_seconds, "pending_bytes": self._writer.pending_bytes,
-               "trainer_fulls": self._capture.full_snapshots}
+               "trainer_fulls": self._capture.full_snapshots,
+               "full_every": self._capture.policy.full_every, "batch_steps": self._capture.policy.batch_steps,
+               "policy": self.policy_report()}
         runtime_stats = getattr(self._writer, "runtime_stats", None)
         if runtime_stats is not None:
             rt = runtime_stats()

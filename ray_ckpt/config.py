@@ -200,8 +200,32 @@ class CheckpointConfig:
     #: runtime="ray" with a replica: every this many steps the trainer ships a fingerprint of its parameters
     #: (16 elements per tensor) that the replica compares bitwise with its own state; 0 disables
     fingerprint_every: int = 50
+    #: "adaptive": full_every/batch_steps are chosen online from measured costs and recorded failures
+    #: (:mod:`ray_ckpt.policy.adaptive`), starting from the values above; explicit full_every/batch_steps (argument
+    #: or env) pin those values and the policy only reports what it would choose. "fixed": never change them.
+    policy: str = "adaptive"
+    #: prior mean time between failures, seconds (the adaptive policy's estimate until failures are seen)
+    mtbf_hint: float = 86400.0
+    #: share of persistence-tier time (background encode/write) that slows training (shared cores and I/O)
+    background_cost: float = 0.25
+    #: storage PUT requests per hour the adaptive policy may cause (0: no limit)
+    request_budget: float = 0.0
+    #: the adaptive policy's longest full-checkpoint interval, steps
+    max_full_every: int = 10_000
+    #: values given explicitly (argument or env): the adaptive policy does not change them. Set by resolve().
+    pinned: frozenset = frozenset()
 
     def __post_init__(self):
+        if self.policy not in ("adaptive", "fixed"):
+            raise ValueError(f"policy must be 'adaptive' or 'fixed', got {self.policy!r}")
+        if not self.mtbf_hint > 0:
+            raise ValueError(f"mtbf_hint must be > 0 seconds, got {self.mtbf_hint}")
+        if not 0 <= self.background_cost <= 1:
+            raise ValueError(f"background_cost must be in [0, 1], got {self.background_cost}")
+        if self.request_budget < 0:
+            raise ValueError(f"request_budget must be >= 0 (0: no limit), got {self.request_budget}")
+        if self.max_full_every < 1:
+            raise ValueError(f"max_full_every must be >= 1, got {self.max_full_every}")
         if self.full_every < 1:
             raise ValueError(f"full_every must be >= 1 (a full checkpoint every N steps), got {self.full_every}")
         if self.batch_steps < 1:
@@ -221,11 +245,24 @@ class CheckpointConfig:
         if self.fingerprint_every < 0:
             raise ValueError(f"fingerprint_every must be >= 0 (0 disables), got {self.fingerprint_every}")
 
+    def policy_options(self) -> dict:
+        """Keyword options of :func:`ray_ckpt.policy.adaptive.make_tuner` (policy="fixed" pins both values)."""
+        pinned = {"full_every", "batch_steps"} if self.policy == "fixed" else set(self.pinned)
+        return {"pinned": frozenset(pinned), "mtbf_hint": self.mtbf_hint, "background_cost": self.background_cost,
+                "request_budget": self.request_budget, "max_full_every": self.max_full_every,
+                "memory_budget": float(self.max_pending_bytes)}
+
     @classmethod
     def resolve(cls, **explicit) -> "CheckpointConfig":
         """Build a config: explicit (non-None) arguments, then ``RAY_CKPT_*`` env vars, then defaults."""
         kw = {}
+        pinned = set()
         for f in fields(cls):
+            if f.name == "pinned":
+                continue
+            if f.name in ("full_every", "batch_steps") and (
+                    explicit.get(f.name) is not None or os.environ.get(f"RAY_CKPT_{f.name.upper()}")):
+                pinned.add(f.name)
             if explicit.get(f.name) is not None:
                 kw[f.name] = explicit[f.name]
                 continue
@@ -234,7 +271,7 @@ class CheckpointConfig:
         unknown = set(explicit) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unknown checkpoint options: {sorted(unknown)}")
-        return cls(**kw)
+        return cls(**kw, pinned=frozenset(pinned))
 
 
 def _bool(s: str) -> bool:

@@ -2,7 +2,8 @@
 no model code needed. Runs in the calling process.
 
     ray-ckpt ls URI                 generations, objects and the recoverable steps
-    ray-ckpt inspect URI [--step S] the recovery plan for a step (default: the latest)
+    ray-ckpt inspect URI [--step S] the recovery plan for a step (default: the latest) and the adaptive
+                                    policy's latest decision with its reason
     ray-ckpt verify URI             read every committed object, check size, checksum and structure
 
 Storage options (S3 endpoint, credentials) are given as ``-o key=value`` (repeatable) or in the URI's query.
@@ -20,6 +21,7 @@ from ray_ckpt.engine.strategy import impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.lineage import ManifestError, NoCheckpointError
+from ray_ckpt.policy.adaptive import read_report
 from ray_ckpt.storage import StorageError, open_storage
 
 
@@ -93,6 +95,9 @@ def cmd_inspect(storage, args) -> int:
     out = {"step": plan.step, "generation": plan.generation,
            "read": [{"object": m.object, "kind": m.kind, "steps": [m.first_step, m.last_step],
                      "bytes": m.nbytes, "strategy": m.strategy} for m in plan.objects]}
+    policy = read_report(storage)
+    if policy is not None:
+        out["policy"] = policy
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -100,12 +105,17 @@ def cmd_inspect(storage, args) -> int:
               f"{_human(sum(m.nbytes for m in plan.objects))}")
         for r in out["read"]:
             print(f"  {r['object']}  {r['kind']} steps {r['steps'][0]}..{r['steps'][1]}  {_human(r['bytes'])}")
+        if policy is not None:
+            pinned = f" (pinned: {', '.join(policy['pinned'])})" if policy.get("pinned") else ""
+            print(f"policy: full_every={policy.get('full_every')} batch_steps={policy.get('batch_steps')}{pinned}, "
+                  f"{policy.get('failures_seen', 0)} failures seen")
+            print(f"  why: {policy.get('reason', '-')}")
     return 0
 
 
 def cmd_verify(storage, args) -> int:
     try:
-        lineage, bad = load_lineage(storage, strict=False)
+        lineage, bad = load_lineage(storage, strict=False, use_index=False)  # verify reads everything
     except ManifestError as e:
         print(f"ray-ckpt: {e}", file=sys.stderr)
         return 1

@@ -222,6 +222,7 @@ class CaptureBase:
         self.fingerprint_every = fingerprint_every
         self._layout: dict | None | bool = False   # False: not computed yet
         self._full_control = getattr(sink, "full_control", None)
+        self.last_snapshot_seconds: float | None = None  # training-thread time of the latest full snapshot
         self._handles = [optimizer.register_step_pre_hook(self._pre_hook),
                          optimizer.register_step_post_hook(self._post_hook)]
         setattr(optimizer, ATTACHED_ATTR, self)
@@ -315,10 +316,12 @@ class CaptureBase:
         """Host copy of model + optimizer state (``rec``: the record of ``step``, when there is one)."""
         # buffers (BatchNorm statistics) change in the forward pass: with a scheduler this runs after the next
         # step's forward, so take them from the record of `step` (copied right after its optimizer.step())
+        t0 = time.perf_counter()
         early = getattr(rec, "buffers", None) or {}
         model_sd = {k: early[k] if k in early else self._copy(v) for k, v in self.model.state_dict().items()}
         opt_sd = self._copy.tree(self.optimizer.state_dict())
         self.full_snapshots += 1
+        self.last_snapshot_seconds = time.perf_counter() - t0  # read by the adaptive policy's cost model
         if self._layout is False:
             try:
                 self._layout = optimizer_layout(self.model, self.optimizer)

@@ -19,6 +19,8 @@ from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import MANIFESTS_DIR, Lineage, Manifest, ManifestError, NoCheckpointError, Plan
+from ray_ckpt.lineage import index as lineage_index
+from ray_ckpt.storage import ObjectNotFound, StorageError
 
 log = logging.getLogger("ray_ckpt")
 
@@ -36,20 +38,86 @@ class LoadedChain:
         return self.plan.step
 
 
-def load_lineage(storage, *, strict: bool = True) -> tuple[Lineage, list[str]]:
-    """Read every committed manifest. Malformed ones raise :class:`ManifestError` when ``strict``; otherwise
-    they are skipped and their keys returned as the second element."""
-    manifests, bad = [], []
-    for key in storage.list(MANIFESTS_DIR):
+def load_lineage(storage, *, strict: bool = True, use_index: bool = True) -> tuple[Lineage, list[str]]:
+    """Every committed manifest. Malformed ones raise :class:`ManifestError` when ``strict``; otherwise
+    they are skipped and their keys returned as the second element.
+
+    With ``use_index`` the lineage index (:mod:`ray_ckpt.lineage.index`) is read first and only the manifests
+    committed after it are listed and read: a bounded number of requests however long the run. Without an
+    index (or with a broken one) every manifest is listed and read."""
+    if use_index:
+        got = _load_indexed(storage, strict)
+        if got is not None:
+            return got
+    return _load_listed(storage, storage.list(MANIFESTS_DIR), strict, [])
+
+
+def _load_listed(storage, keys, strict: bool, manifests: list) -> tuple[Lineage, list[str]]:
+    bad = []
+    for key in keys:
         if not key.endswith(".json"):
             continue
         try:
             manifests.append(Manifest.from_json(storage.read(key), key))
+        except ObjectNotFound:
+            continue  # deleted (garbage-collected) between the listing and the read
         except ManifestError:
             if strict:
                 raise
             bad.append(key)
-    return Lineage(manifests), bad
+    return Lineage(_dedupe(manifests)), bad
+
+
+def _dedupe(manifests: list) -> list:
+    by_name = {}
+    for m in manifests:  # later entries (read from storage) win over the index's copies
+        by_name[m.name] = m
+    return list(by_name.values())
+
+
+def _load_indexed(storage, strict: bool) -> tuple[Lineage, list[str]] | None:
+    try:
+        data = storage.read(lineage_index.INDEX_KEY)
+    except ObjectNotFound:
+        return None
+    except StorageError as e:
+        log.warning("ray_ckpt: lineage index unreadable (%s); listing every manifest", e)
+        return None
+    try:
+        gen, marks, manifests = lineage_index.decode_index(data)
+    except lineage_index.IndexError_ as e:
+        log.warning("ray_ckpt: %s; listing every manifest", e)
+        return None
+    newer = lineage_index.newer_keys(storage, gen, marks)
+    lineage, bad = _load_listed(storage, newer, strict, list(manifests))
+    fresh = {k.rsplit("/", 1)[-1][:-len(".json")] for k in newer}
+    lineage.from_index = {m.name for m in manifests} - fresh  # copies: checked against storage by plan_restore
+    return lineage, bad
+
+
+def plan_restore(storage, step: int | None, lineage: Lineage | None = None, *, strict: bool = True
+                 ) -> tuple[Plan, Lineage, list[str]]:
+    """Resolve ``step`` (None = latest) from the lineage (read with the index when there is one). The plan's
+    manifests that came from the index are re-read from storage (their commit markers): when one is gone
+    (garbage-collected) or differs, the lineage is rebuilt from a full listing. Requests: the index's
+    bounded count plus one per object of the plan."""
+    bad: list[str] = []
+    if lineage is None:
+        lineage, bad = load_lineage(storage, strict=strict)
+    plan = lineage.resolve(step)
+    copies = getattr(lineage, "from_index", set())
+    for m in plan.objects:
+        if m.name not in copies:
+            continue
+        try:
+            same = Manifest.from_json(storage.read(m.key), m.key) == m
+        except (ObjectNotFound, ManifestError):
+            same = False
+        if not same:
+            log.info("ray_ckpt: the lineage index is stale (%s); listing every manifest", m.name)
+            lineage, bad = load_lineage(storage, strict=strict, use_index=False)
+            return lineage.resolve(step), lineage, bad
+    return plan, lineage, bad
 
 
 def read_object(storage, m: Manifest, reader: Callable[[Manifest], Any] | None = None) -> Any:
@@ -88,8 +156,13 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
     """Resolve ``step`` (None = latest) and load it; with ``fallback``, skip corrupt objects (and malformed
     manifests) and take the latest good step at or before the request, logging what was skipped."""
     bad_manifests: list[str] = []
+    indexed = lineage is None
     if lineage is None:
         lineage, bad_manifests = load_lineage(storage, strict=not fallback)
+        try:  # re-checks the plan's manifests that came from the index (rebuilds the lineage if stale)
+            _, lineage, bad_manifests = plan_restore(storage, step, lineage, strict=not fallback)
+        except NoCheckpointError:
+            pass  # resolved again below (with fallback rules)
     for key in bad_manifests:
         log.warning("ray_ckpt: ignoring malformed manifest %s", key)
     excluded: set[str] = set()
@@ -101,6 +174,15 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
             plan = _resolve_at_most(lin, step)
         try:
             return load_chain(storage, plan, reader)
+        except ObjectNotFound:
+            if not indexed:
+                raise
+            # the index named an object deleted since (garbage collection): plan from a full listing
+            log.info("ray_ckpt: the lineage index is stale; listing every manifest")
+            indexed = False
+            lineage, bad_manifests = load_lineage(storage, strict=not fallback, use_index=False)
+            excluded = set()
+            continue
         except CorruptObjectError as e:
             if not fallback:
                 raise

@@ -26,6 +26,7 @@ from typing import Callable
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
+from ray_ckpt.lineage import index as lineage_index
 
 log = logging.getLogger("ray_ckpt")
 
@@ -157,7 +158,7 @@ class BoundedSink:
 class AsyncWriter(BoundedSink):
     def __init__(self, storage, generation: int, impl, *, max_pending_bytes: int, write_retries: int = 3,
                  info: dict | None = None,
-                 on_commit: Callable[[Manifest], None] | None = None):
+                 on_commit: Callable[[Manifest], None] | None = None, index: list | None = None):
         super().__init__(max_pending_bytes, f"ray_ckpt-writer-g{generation}")
         self.storage = storage
         self.generation = generation
@@ -165,6 +166,9 @@ class AsyncWriter(BoundedSink):
         self.impl = impl
         self.info = dict(info or {})
         self.on_commit = on_commit
+        #: committed manifests known to this writer (those of earlier generations + its own): rolled up into the
+        #: lineage index after every full; None: write no index
+        self._index = list(index) if index is not None else None
         self._batch: list = []
         self._thread.start()
 
@@ -242,6 +246,13 @@ class AsyncWriter(BoundedSink):
         prev = self.stats.last_committed_step
         self.stats.last_committed_step = last if prev is None else max(prev, last)
         self.stats.commits.append(name)
+        if self._index is not None:
+            self._index.append(manifest)
+            if kind == "full":
+                try:
+                    lineage_index.write_index(self.storage, self._index)
+                except Exception as e:  # noqa: BLE001 - the index is a cache: readers fall back to listing
+                    log.warning("ray_ckpt: could not write the lineage index: %s", e)
         if self.on_commit is not None:
             self.on_commit(manifest)
 

@@ -53,17 +53,18 @@ class RayCkptCallback(ControllerCallback):
     Created on the driver, pickled to the Ray Train controller actor, where its hooks run (see the module
     docstring). ``storage_uri``/``storage_options`` name the lineage's storage; ``full_every``/``batch_steps``
     the frequency policy the coordinator hands to the workers; ``keep_fulls`` > 0 garbage-collects chains older
-    than that many durable full checkpoints; ``keep_runtime=True`` leaves the coordinator
+    than that many durable full checkpoints; ``mtbf_hint`` (seconds) is the adaptive policy's prior MTBF (the
+    coordinator adapts ``full_every``/``batch_steps`` unless they are given); ``keep_runtime=True`` leaves the coordinator
     and persistence workers alive after the run (to restore from their memory tier later).
     """
 
     def __init__(self, storage_uri: str | os.PathLike, *, storage_options: dict | None = None,
                  full_every: int | None = None, batch_steps: int | None = None, keep_runtime: bool = False,
-                 run: str | None = None, keep_fulls: int | None = None):
+                 run: str | None = None, keep_fulls: int | None = None, mtbf_hint: float | None = None):
         self.storage_uri = os.fspath(storage_uri)
         self.storage_options = dict(storage_options or {})
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
-                                               keep_fulls=keep_fulls)
+                                               keep_fulls=keep_fulls, mtbf_hint=mtbf_hint)
         self.keep_runtime = keep_runtime
         self.run = run
         _storage.open_storage(self.storage_uri, **self.storage_options)  # fail fast on a bad URI, on the driver
@@ -75,7 +76,8 @@ class RayCkptCallback(ControllerCallback):
         self.run = run
         storage = _storage.open_storage(self.storage_uri, **self.storage_options)
         coord = get_or_create_coordinator(run, storage, full_every=self.config.full_every,
-                                          batch_steps=self.config.batch_steps, keep_fulls=self.config.keep_fulls)
+                                          batch_steps=self.config.batch_steps, keep_fulls=self.config.keep_fulls,
+                                          policy_options=self.config.policy_options())
         ray.get(coord.set_storage.remote(storage))
         log.info("ray_ckpt: run %r checkpoints to %s", run, storage.describe())
 

@@ -37,7 +37,8 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict):
     _require_ray()
     run = run_name(storage, run)
     coord = get_or_create_coordinator(run, storage, full_every=config.full_every, batch_steps=config.batch_steps,
-                                      keep_fulls=config.keep_fulls, max_replica_lag=config.max_replica_lag)
+                                      keep_fulls=config.keep_fulls, max_replica_lag=config.max_replica_lag,
+                                      policy_options=config.policy_options())  # [policy #14]
     generation, policy = ray.get([coord.new_generation.remote(), coord.get_policy.remote()])
     replica = None
     if config.replica and impl.name == "lowdiff":
@@ -55,6 +56,12 @@ def _replica_node() -> str:
     alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
     others = [n for n in alive if n > me] + [n for n in alive if n < me]
     return others[0] if others else me
+
+
+def policy_report(storage, run: str | None = None, timeout: float = 30.0) -> dict | None:
+    """The coordinator's adaptive-policy report (None without a coordinator). Training process / driver."""
+    coord = coordinator(storage, run)
+    return None if coord is None else ray.get(coord.policy_report.remote(), timeout=timeout)
 
 
 def coordinator(storage, run: str | None = None):

@@ -35,6 +35,8 @@ import ray
 from ray_ckpt.engine.restore import load_lineage
 from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError
 from ray_ckpt.policy import FixedFrequencyPolicy
+from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
+from ray_ckpt.lineage import index as _lineage_index  # [lineage index #14]
 from ray_ckpt.runtime import naming
 
 log = logging.getLogger("ray_ckpt")
@@ -63,7 +65,7 @@ class _Replica:
 
 class Coordinator:
     def __init__(self, run: str, storage, full_every: int, batch_steps: int, keep_fulls: int = 0,
-                 max_replica_lag: int = 100):
+                 max_replica_lag: int = 100, policy_options: dict | None = None):
         self.run = run
         self.max_replica_lag = max_replica_lag
         self.replica: _Replica | None = None
@@ -79,6 +81,9 @@ class Coordinator:
         self.events: list[dict] = []
         self._last_generation = 0
         self.started_at = time.time()
+        # [policy #14] the adaptive policy: fed by commits and failures; pinned values never change
+        self.tuner = _adaptive.make_tuner(full_every, batch_steps, started_at=self.started_at,
+                                          **(policy_options or {}))
         self._rebuild()
 
     # -- state ---------------------------------------------------------------------------------------------------
@@ -166,6 +171,15 @@ class Coordinator:
             if deleted:
                 log.info("ray_ckpt coordinator: garbage-collected %d objects older than the %d newest fulls",
                          len(deleted), self.keep_fulls)
+        if m.kind == "full":  # [lineage index #14] roll the durable manifests up (after GC: no stale names)
+            try:
+                _lineage_index.write_index(self.storage, [e.manifest for e in self.entries.values() if e.durable])
+            except Exception as e:  # noqa: BLE001 - a cache: readers fall back to listing
+                log.warning("ray_ckpt coordinator: could not write the lineage index: %s", e)
+        _adaptive.observe_manifest_commit(self.tuner, kind=m.kind, first_step=m.first_step,  # [policy #14]
+                                          last_step=m.last_step, nbytes=m.nbytes, created=m.created,
+                                          now=time.time())
+        self._decide()  # [policy #14]
 
     def release(self, node_id: str, names: list[str]) -> None:
         for n in names:
@@ -295,11 +309,30 @@ class Coordinator:
         return self.storage
 
     def get_policy(self) -> FixedFrequencyPolicy:
-        return self.policy
+        """The frequency policy for a (re)attaching Checkpointer: the adaptive choice in force [policy #14]."""
+        return FixedFrequencyPolicy(*self.tuner.current())
+
+    def _decide(self, publish: bool = False) -> None:
+        """[policy #14] Re-optimize when due; publish the report to storage when the decision changed (or
+        ``publish``: a failure was recorded)."""
+        before = len(self.tuner.history)
+        now = time.time()
+        self.tuner.decide(now)
+        if publish or len(self.tuner.history) != before:
+            log.info("ray_ckpt coordinator: policy -> full_every=%d batch_steps=%d: %s",
+                     *self.tuner.current(), self.tuner.choice.reason)
+            _adaptive.publish_report(self.storage, self.tuner.report(now))
+
+    def policy_report(self) -> dict:
+        """[policy #14] What the adaptive policy decides, from which estimates, and why."""
+        self._decide()
+        return self.tuner.report(time.time())
 
     def record_failure(self, info: dict) -> None:
         """A worker-group failure (from the Ray Train callback): input for adaptive policies."""
         self.failures.append({"time": time.time(), **info})
+        self.tuner.observe_failure(self.failures[-1]["time"])  # [policy #14]
+        self._decide(publish=True)  # [policy #14]
 
     def record_event(self, info: dict) -> None:
         """Other run events (resizes...), kept for status and policies."""
@@ -412,7 +445,7 @@ def _runs(steps: list[int]) -> list[tuple[int, int]]:
 
 
 def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int, keep_fulls: int = 0,
-                              max_replica_lag: int = 100):
+                              max_replica_lag: int = 100, policy_options: dict | None = None):
     """The run's coordinator (created detached if missing). Any process connected to Ray."""
     global _remote_cls
     name = naming.coordinator_name(run)
@@ -425,7 +458,7 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
     return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
                        max_restarts=-1, max_task_retries=-1, num_cpus=0).remote(run, storage, full_every,
                                                                                batch_steps, keep_fulls,
-                                                                               max_replica_lag)
+                                                                               max_replica_lag, policy_options)
 
 
 def shutdown_run(run: str) -> None:

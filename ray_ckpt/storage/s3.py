@@ -223,6 +223,71 @@ class S3Backend:
         keys.sort()
         return keys
 
+    def list_after(self, prefix: str, start_after: str = "") -> list[str]:
+        """Keys starting with ``prefix`` that sort after ``start_after``, sorted: ListObjectsV2 with StartAfter,
+        so one request per 1000 keys *returned* (``list`` pages through everything under the folder). Skips
+        temp and invalid names. Runs in any process; thread-safe (a botocore client per backend object)."""
+        validate_prefix(prefix)
+        client = self._list_client()
+        if client is None:
+            return [k for k in self.list(prefix) if k > start_after]
+        root = f"{self.prefix}/" if self.prefix else ""
+        kwargs = {"Bucket": self.bucket, "Prefix": root + prefix}
+        if start_after:
+            kwargs["StartAfter"] = root + start_after
+        keys = []
+        try:
+            while True:
+                resp = client.list_objects_v2(**kwargs)
+                for obj in resp.get("Contents", []):
+                    key = obj["Key"][len(root):]
+                    if any(s.startswith(TMP_PREFIX) for s in key.split("/")) or key.endswith("/"):
+                        continue
+                    try:
+                        validate_key(key)
+                    except StorageError:
+                        continue
+                    keys.append(key)
+                if not resp.get("IsTruncated"):
+                    break
+                kwargs["ContinuationToken"] = resp["NextContinuationToken"]
+        except Exception as e:  # noqa: BLE001 - botocore's errors: report as ours
+            if type(e).__name__ == "NoSuchBucket":
+                return []
+            raise StorageError(f"cannot list {self.base_uri}/{prefix} after {start_after!r}: {e}") from e
+        return sorted(keys)
+
+    def _list_client(self):
+        """A botocore S3 client on the same endpoint and credentials (None: botocore missing or options it
+        cannot express; callers then list and filter)."""
+        client = getattr(self, "_botocore", False)
+        if client is not False:
+            return client
+        try:
+            import botocore.config
+            import botocore.session
+        except ImportError:
+            self._botocore = None
+            return None
+        o = self.options
+        unsupported = set(o) - {"endpoint_override", "scheme", "access_key", "secret_key", "session_token",
+                                "region", "allow_delayed_open", "connect_timeout", "request_timeout"}
+        if unsupported:
+            self._botocore = None
+            return None
+        endpoint = None
+        if o.get("endpoint_override"):
+            ep = str(o["endpoint_override"])
+            endpoint = ep if "://" in ep else f"{o.get('scheme') or 'https'}://{ep}"
+        session = botocore.session.get_session()
+        self._botocore = session.create_client(
+            "s3", region_name=o.get("region") or "us-east-1", endpoint_url=endpoint,
+            aws_access_key_id=o.get("access_key"), aws_secret_access_key=o.get("secret_key"),
+            aws_session_token=o.get("session_token"),
+            config=botocore.config.Config(s3={"addressing_style": "path"} if endpoint else {},
+                                          proxies={}, retries={"max_attempts": 3}))
+        return self._botocore
+
     def delete(self, key: str) -> None:
         """Remove the object; a missing one is not an error. Runs in any process; thread-safe.
 

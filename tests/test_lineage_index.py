@@ -1,0 +1,201 @@
+"""The lineage index: planning a restore with a bounded number of storage requests (local and moto S3)."""
+from __future__ import annotations
+
+import collections
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import ray_ckpt
+from ray_ckpt.engine.restore import load_lineage, plan_restore, resolve_and_load
+from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
+from ray_ckpt.lineage import index as lineage_index
+
+
+class CountingStorage:
+    """Delegates to a backend and counts every call (each is at least one storage request)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = collections.Counter()
+        if hasattr(inner, "list_after"):
+            self.list_after = self._list_after
+
+    def _count(self, name):
+        self.calls[name] += 1
+
+    def read(self, key):
+        self._count("read")
+        return self.inner.read(key)
+
+    def list(self, prefix=""):
+        self._count("list")
+        return self.inner.list(prefix)
+
+    def _list_after(self, prefix, start_after=""):
+        self._count("list_after")
+        return self.inner.list_after(prefix, start_after)
+
+    def write(self, key, data):
+        self._count("write")
+        return self.inner.write(key, data)
+
+    def exists(self, key):
+        self._count("exists")
+        return self.inner.exists(key)
+
+    def size(self, key):
+        self._count("size")
+        return self.inner.size(key)
+
+    def delete(self, key):
+        self._count("delete")
+        return self.inner.delete(key)
+
+    def describe(self):
+        return self.inner.describe()
+
+    @property
+    def total(self):
+        return sum(self.calls.values())
+
+
+def _manifest(gen, kind, first, last):
+    name = full_name(gen, last) if kind == "full" else diff_name(gen, first, last)
+    return Manifest(kind=kind, generation=gen, first_step=first, last_step=last, object=object_key(name),
+                    nbytes=10, crc32=0, created=0.0)
+
+
+def _run(steps, tail, full_every=100, batch=10, gen=1):
+    """Manifests of a run of ``steps`` steps (fulls every ``full_every``, diff objects of ``batch`` steps),
+    then ``tail`` more diff objects committed after the last full."""
+    ms = [_manifest(gen, "full", 0, 0)]
+    for s in range(batch, steps + 1, batch):
+        ms.append(_manifest(gen, "diff", s - batch + 1, s))
+        if s % full_every == 0:
+            ms.append(_manifest(gen, "full", s, s))
+    before = list(ms)
+    for i in range(tail):
+        s = steps + (i + 1) * batch
+        ms.append(_manifest(gen, "diff", s - batch + 1, s))
+    return before, ms
+
+
+def _store(storage, manifests, index_of):
+    client = getattr(storage, "_list_client", lambda: None)()
+    if client is not None:  # S3: one PUT per manifest (cheap setup; pyarrow's writer adds requests)
+        root = f"{storage.prefix}/" if storage.prefix else ""
+        put = lambda m: client.put_object(Bucket=storage.bucket, Key=root + m.key, Body=m.to_json())  # noqa: E731
+    else:
+        put = lambda m: storage.write(m.key, m.to_json())  # noqa: E731
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(put, manifests))
+    lineage_index.write_index(storage, index_of)
+
+
+def _plan_requests(storage):
+    """Plan a restore of the latest step as ``restore`` does (index, newer manifests, the plan's manifests
+    re-checked), counting the storage calls."""
+    counting = CountingStorage(storage)
+    plan, _, bad = plan_restore(counting, None, strict=False)
+    return counting, plan, bad
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("batch,full_every", [(50, 500), pytest.param(10, 100, marks=pytest.mark.slow)])
+def test_planning_on_s3_is_bounded_at_10000_steps(s3_server, batch, full_every):
+    """10,000 committed steps; the default variant writes 220 manifests (batch 50), the slow one 1,100."""
+    from ray_ckpt.storage import open_storage
+
+    counts = {}
+    for steps in (1_000, 10_000):
+        bucket = s3_server.make_bucket(f"lineage-index-{steps}-{batch}")
+        storage = open_storage(f"{bucket}/run", **s3_server.options)
+        before, ms = _run(steps, tail=5, full_every=full_every, batch=batch)
+        _store(storage, ms, before)
+        counting, plan, bad = _plan_requests(storage)
+        assert not bad
+        assert plan.step == steps + 5 * batch and plan.full.last_step == steps and len(plan.diffs) == 5
+        counts[steps] = counting.total
+        print(f"{steps} steps: {dict(counting.calls)}")
+        assert counting.total < 20, counting.calls
+        assert counting.calls["list"] == 0  # only bounded listings (after the watermarks)
+    # the request count does not grow with the number of steps
+    assert counts[10_000] == counts[1_000], counts
+    # without the index a plan reads every manifest (1,105 with batch 10, 225 with batch 50)
+    assert len([k for k in storage.list("manifests/") if k.endswith(".json")]) == len(ms) >= 10_000 // batch
+
+
+def test_index_never_hides_newer_objects(tmp_path):
+    from ray_ckpt.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "s"))
+    before, ms = _run(300, tail=3)
+    _store(storage, ms, before)
+    lin, _ = load_lineage(storage)
+    assert lin.resolve(None).step == 330
+    # committed after the index: a new full and diffs of generation 1, then a new generation
+    late = [_manifest(1, "diff", 331, 340), _manifest(1, "full", 340, 340), _manifest(2, "full", 340, 340),
+            _manifest(2, "diff", 341, 345)]
+    for m in late:
+        storage.write(m.key, m.to_json())
+    lin, _ = load_lineage(storage)
+    plan = lin.resolve(None)
+    assert (plan.step, plan.generation, plan.full.name) == (345, 2, full_name(2, 340))
+    full_listing, _ = load_lineage(storage, use_index=False)
+    assert sorted(m.name for m in lin.manifests) == sorted(m.name for m in full_listing.manifests)
+
+
+def test_missing_or_broken_index_falls_back_to_listing(tmp_path):
+    from ray_ckpt.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "s"))
+    before, ms = _run(200, tail=2)
+    for m in ms:
+        storage.write(m.key, m.to_json())
+    counting = CountingStorage(storage)
+    lin, _ = load_lineage(counting)  # no index yet
+    assert lin.resolve(None).step == 220 and counting.calls["list"] == 1
+    for junk in (b"{not json", b'{"format": 99}', b'{"format": 1, "generation": 1, "watermarks": '
+                                                    b'{"g000001-diff": "../../etc"}, "manifests": []}'):
+        storage.write(lineage_index.INDEX_KEY, junk)
+        lin, _ = load_lineage(storage)
+        assert lin.resolve(None).step == 220 and len(lin.manifests) == len(ms)
+
+
+def _train(ck_kwargs, uri, steps, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with ray_ckpt.Checkpointer(uri, model, opt, **ck_kwargs) as ck:
+        for i in range(steps):
+            opt.zero_grad()
+            model(torch.full((2, 4), float(i))).sum().backward()
+            opt.step()
+        assert ck.step == steps
+    return model, opt
+
+
+def test_local_writer_rolls_the_index_and_restore_uses_it(tmp_path):
+    from ray_ckpt.storage import open_storage
+
+    uri = str(tmp_path / "ck")
+    model, opt = _train(dict(full_every=6, batch_steps=2), uri, 15)
+    storage = open_storage(uri)
+    assert storage.exists(lineage_index.INDEX_KEY)
+    _, _, indexed = lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY))
+    assert max(m.last_step for m in indexed if m.kind == "full") == 12
+    m2 = torch.nn.Linear(4, 3)
+    o2 = torch.optim.Adam(m2.parameters(), lr=0.01)
+    assert ray_ckpt.restore(uri, m2, o2) == 15
+    for a, b in zip(model.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    # a stale index (objects garbage-collected behind its back): the restore falls back to listing
+    lin, _ = load_lineage(storage)
+    plan = lin.resolve(None)
+    stale_full = full_name(1, 12)
+    storage.delete(f"manifests/{stale_full}.json")
+    storage.delete(object_key(stale_full))
+    chain = resolve_and_load(storage, None, fallback=False)
+    assert chain.step == 15 and chain.plan.full.last_step == 6 and plan.full.last_step == 12
