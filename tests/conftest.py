@@ -32,6 +32,23 @@ from tests.ray_cluster import ray_cluster  # noqa: F401 - the session's multi-no
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Long tests: `make test` skips them; `pytest --run-long` (or `make reliability`) runs them.
+# ---------------------------------------------------------------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption("--run-long", action="store_true", default=False,
+                     help="also run tests marked `long` (soak, full-size fuzz, fault trials)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-long"):
+        return
+    skip = pytest.mark.skip(reason="long test: run with --run-long")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Storage targets
 # ---------------------------------------------------------------------------------------------------------
 class StorageTarget(NamedTuple):
