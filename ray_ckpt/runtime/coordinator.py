@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_ckpt.engine.restore import load_lineage
 from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError
@@ -261,6 +262,17 @@ class Coordinator:
                         "full checkpoints again", self.run, reason)
         self.replica = _Replica(generation, step, node, ok, reason)
 
+    def _ask_replica(self) -> None:
+        """A restarted coordinator does not know the replica's progress until its next report: ask it."""
+        try:
+            replica = ray.get_actor(naming.replica_name(self.run), namespace=naming.NAMESPACE)
+            st = ray.get(replica.status.remote(), timeout=10)
+        except Exception as e:  # noqa: BLE001 - no replica (or it is restarting): restore from the chain
+            log.debug("ray_ckpt coordinator: no replica status (%s)", e)
+            return
+        if st.get("generation") is not None and st.get("step") is not None:
+            self.replica = _Replica(st["generation"], st["step"], st["node"], st["ok"], st.get("reason", ""))
+
     def _replica_usable(self, gen: int) -> bool:
         r = self.replica
         if r is None or not r.ok or r.generation != gen or r.node not in self._alive_nodes():
@@ -370,6 +382,8 @@ class Coordinator:
             sources.append({"manifest": m.to_json(), "durable": e.durable,
                             "refs": [refs[0] for refs in e.holders.values()]})
         out = {"step": p.step, "generation": p.generation, "objects": sources}
+        if self.replica is None:
+            self._ask_replica()
         r = self.replica
         if step is None and self._replica_usable(p.generation) and p.full.last_step <= r.step <= p.step:
             out["replica"] = {"step": r.step, "node": r.node}
@@ -444,6 +458,16 @@ def _runs(steps: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _head_node_affinity():
+    """Prefer the head node (soft): it lives as long as the cluster, so losing a worker node (the usual failure)
+    does not also restart the coordinator and drop what it knows only in memory (holders, the replica's
+    progress). Falls back to Ray's default placement when the head is unknown or full."""
+    for n in ray.nodes():
+        if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {}):
+            return NodeAffinitySchedulingStrategy(n["NodeID"], soft=True)
+    return "DEFAULT"
+
+
 def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int, keep_fulls: int = 0,
                               max_replica_lag: int = 100, policy_options: dict | None = None):
     """The run's coordinator (created detached if missing). Any process connected to Ray."""
@@ -456,7 +480,8 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
     if _remote_cls is None:
         _remote_cls = ray.remote(Coordinator)
     return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
-                       max_restarts=-1, max_task_retries=-1, num_cpus=0).remote(run, storage, full_every,
+                       max_restarts=-1, max_task_retries=-1, num_cpus=0,
+                       scheduling_strategy=_head_node_affinity()).remote(run, storage, full_every,
                                                                                batch_steps, keep_fulls,
                                                                                max_replica_lag, policy_options)
 
