@@ -52,7 +52,7 @@ class Checkpointer:
                  max_pending_bytes: int | None = None, capture_rng: bool | None = None,
                  runtime: str = "local", run: str | None = None, memory_budget: int | None = None,
                  keep_fulls: int | None = None, replica: bool | None = None, handoff_delay: float | None = None,
-                 policy: str | None = None, mtbf_hint: float | None = None):
+                 policy: str | None = None, mtbf_hint: float | None = None, durable_diffs: str | None = None):
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -65,7 +65,10 @@ class Checkpointer:
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng,
                                                memory_budget=memory_budget, keep_fulls=keep_fulls,
                                                replica=replica, handoff_delay=handoff_delay,
-                                               policy=policy, mtbf_hint=mtbf_hint)
+                                               policy=policy, mtbf_hint=mtbf_hint, durable_diffs=durable_diffs)
+        if self.config.durable_diffs != "all" and runtime != "ray":
+            raise ValueError(f"durable_diffs={self.config.durable_diffs!r} needs runtime='ray' (a memory tier on "
+                             f"two nodes); runtime={runtime!r} writes every step")
         self.runtime = runtime
         self.strategy = strategy
         self.storage = open_uri(uri, storage_options)

@@ -200,6 +200,14 @@ class CheckpointConfig:
     #: runtime="ray" with a replica: every this many steps the trainer ships a fingerprint of its parameters
     #: (16 elements per tensor) that the replica compares bitwise with its own state; 0 disables
     fingerprint_every: int = 50
+    #: runtime="ray": which diffs the durable tier gets. "all" (default): every step's record is written, so
+    #: any step restores from storage alone, even after the whole cluster is lost — the product's promise, at
+    #: the price of writing every step (dense gradients: MB per step). "fulls": diffs stay in memory on two
+    #: nodes (the trainer node's worker and its peer) and only full checkpoints are written; a diff is written
+    #: only under memory pressure, on flush/close, or when its second copy is lost. Restorable: any step the
+    #: memory tier still holds, and from storage the fulls (plus whatever was flushed). Losing both nodes
+    #: loses the steps since the last durable full (a gap: logged, shown by ``ray-ckpt ls``, closed by a full).
+    durable_diffs: str = "all"
     #: "adaptive": full_every/batch_steps are chosen online from measured costs and recorded failures
     #: (:mod:`ray_ckpt.policy.adaptive`), starting from the values above; explicit full_every/batch_steps (argument
     #: or env) pin those values and the policy only reports what it would choose. "fixed": never change them.
@@ -242,6 +250,9 @@ class CheckpointConfig:
             raise ValueError(f"handoff_delay must be in [0, 60] seconds, got {self.handoff_delay}")
         if self.max_replica_lag < 1:
             raise ValueError(f"max_replica_lag must be >= 1 step, got {self.max_replica_lag}")
+        if self.durable_diffs not in ("all", "fulls"):
+            raise ValueError(f"durable_diffs must be 'all' (every step written) or 'fulls' (diffs held in memory "
+                             f"on two nodes, fulls written), got {self.durable_diffs!r}")
         if self.fingerprint_every < 0:
             raise ValueError(f"fingerprint_every must be >= 0 (0 disables), got {self.fingerprint_every}")
 

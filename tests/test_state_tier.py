@@ -170,6 +170,8 @@ class _Trainer:
 def _trainer_on_new_node(cluster, uri, run, **kw):
     node = cluster.add_node(num_cpus=1, object_store_memory=200 << 20, resources={"trainer": 1})
     cluster.wait_for_nodes()
+    live = {n.node_id for n in cluster.list_all_nodes()}   # nodes removed by earlier tests are seen dead first
+    _wait(lambda: {n["NodeID"] for n in ray.nodes() if n.get("Alive")} == live, 60, "removed nodes to be dead")
     tr = _Trainer.options(resources={"trainer": 0.01}).remote(uri, run, **kw)
     return node, tr
 
@@ -283,3 +285,48 @@ def test_a_forced_gap_is_logged_shown_and_closed_by_a_full(run_env, caplog, caps
     assert cli_main(["ls", uri]) == 0
     out = capsys.readouterr().out
     assert "gap" in out.lower() and "13" in out
+
+
+def test_durable_diffs_fulls_keeps_diffs_in_memory_on_two_nodes_and_writes_fulls(run_env, capsys):
+    run, uri = run_env
+    ref = _reference_states(25)
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    sch = T.make_scheduler(opt)
+    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=10,
+                               batch_steps=2, replica=False, durable_diffs="fulls")
+    for s in range(25):
+        T.train_step("mlp", model, opt, sch, s)
+    ck._writer.wait_safe()            # every chunk held on two nodes (or, if its peer was late, written)
+    time.sleep(3.0)                   # past the coordinator's gap grace: released/unwritten diffs are no gap
+    storage = open_storage(uri)
+    lineage, _ = load_lineage(storage)
+    durable_diff_steps = sum(m.last_step - m.first_step + 1 for m in lineage.manifests if m.kind == "diff")
+    assert sorted(m.last_step for m in lineage.manifests if m.kind == "full") == [0, 10, 20]
+    assert durable_diff_steps <= 10, durable_diff_steps    # "all" writes all 25
+    st = ck.stats()
+    where = st["runtime"]["restorable"]
+    assert [0, 0] in where["durable"] and [10, 10] in where["durable"] and [20, 20] in where["durable"], st
+    # (step 25's record is finalized by the next step or by close)
+    tier_steps = {k: {s for a, b in where[k] for s in range(a, b + 1)} for k in ("memory", "durable")}
+    assert tier_steps["memory"] | tier_steps["durable"] == set(range(25)), where
+    assert len(tier_steps["memory"]) >= 25 - 3 - 10, where
+    assert ray.get(_coord(run).status.remote())["gaps"] == []
+    _assert_restores(uri, run, ref, [3, 14, 21, 24])         # memory tier (two copies), bitwise
+    ck.close()                                               # flush: the tail after the last full is written
+    _assert_restores(uri, run, ref, [20, 25], runtime="local")
+    with pytest.raises(ray_ckpt.NoCheckpointError):           # by design: between fulls only in memory
+        ray_ckpt.restore(uri, *_fresh()[:2], step=14)
+    capsys.readouterr()
+    assert cli_main(["ls", uri]) == 0
+    out = capsys.readouterr().out
+    assert "durable_diffs=fulls" in out and "GAP" not in out
+
+
+def test_durable_diffs_fulls_is_refused_without_the_ray_runtime(tmp_path):
+    model = T.make_model("mlp")
+    with pytest.raises(ValueError, match="durable_diffs"):
+        ray_ckpt.Checkpointer(str(tmp_path), model, T.make_optimizer("adamw", model), durable_diffs="fulls")
+    with pytest.raises(ValueError, match="durable_diffs"):
+        ray_ckpt.Checkpointer(str(tmp_path), model, T.make_optimizer("adamw", model), runtime="ray",
+                              durable_diffs="some")

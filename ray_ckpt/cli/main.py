@@ -65,10 +65,13 @@ def cmd_ls(storage, args) -> int:
         fulls = [m for m in ms if m.kind == "full"]
         diffs = [m for m in ms if m.kind == "diff"]
         steps = lineage.reachable_steps(gen)
+        lazy = any(m.info.get("durable_diffs") == "fulls" for m in ms)
         rows.append({"generation": gen, "fulls": [m.last_step for m in fulls], "diff_objects": len(diffs),
                      "full_bytes": sum(m.nbytes for m in fulls), "diff_bytes": sum(m.nbytes for m in diffs),
                      "recoverable": _ranges(steps), "strategy": sorted({m.strategy for m in ms}),
-                     "gaps": _ranges(lineage.uncovered_steps(gen))})
+                     # durable_diffs="fulls": steps between fulls are not in storage by design (not a gap)
+                     "gaps": "-" if lazy else _ranges(lineage.uncovered_steps(gen)),
+                     "durable_diffs": "fulls" if lazy else "all"})
     head = lineage.head()
     if args.json:
         print(json.dumps({"uri": storage.describe(), "head": head, "generations": rows,
@@ -80,6 +83,10 @@ def cmd_ls(storage, args) -> int:
               f"{r['diff_objects']} diff objects; {_human(r['full_bytes'])} full + {_human(r['diff_bytes'])} "
               f"diffs; recoverable steps {r['recoverable']}"
               + (f"; GAP (lost steps) {r['gaps']}" if r["gaps"] != "-" else ""))
+        if r["durable_diffs"] == "fulls":
+            print("    durable_diffs=fulls: storage holds the fulls (and diffs written on flush, under memory "
+                  "pressure or after a node loss); other steps restore only from the memory tier of the running "
+                  "cluster (Checkpointer.stats()['runtime']['restorable'])")
     for key in bad:
         print(f"  malformed manifest ignored: {key}")
     return 0 if head is not None else 1

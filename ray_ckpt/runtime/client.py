@@ -45,7 +45,12 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict):
         from ray_ckpt.runtime.replica import get_or_create_replica
         replica = get_or_create_replica(run, _replica_node(), storage, full_every=policy.full_every,
                                         max_lag=config.max_replica_lag)
-        ray.get(replica.ping.remote())
+        where = ray.get(replica.ping.remote())
+        me = ray.get_runtime_context().get_node_id()
+        if where == me and any(n.get("Alive") and n["NodeID"] != me for n in ray.nodes()):
+            log.warning("ray_ckpt: the state-tier replica of run %r runs on the trainer's node %s (its peer was "
+                        "unavailable when it was placed): losing this node loses the replica too; restores then "
+                        "use the durable chain", run, me[:8])
     sink = RaySink(run, storage, impl, generation, config=config, info=info, replica=replica is not None)
     return run, generation, policy, sink
 

@@ -81,6 +81,7 @@ class Coordinator:
         self.failures: list[dict] = []
         self.events: list[dict] = []
         self._last_generation = 0
+        self._lazy_gens: set[int] = set()   # generations with durable_diffs="fulls"
         self.started_at = time.time()
         # [policy #14] the adaptive policy: fed by commits and failures; pinned values never change
         self.tuner = _adaptive.make_tuner(full_every, batch_steps, started_at=self.started_at,
@@ -130,6 +131,27 @@ class Coordinator:
         if node is not None and refs:
             e.holders[node] = refs
         self._last_generation = max(self._last_generation, m.generation)
+        if m.kind == "diff" and m.info.get("durable_diffs") == "fulls":
+            self._lazy_gens.add(m.generation)
+
+    def _durable_floor(self, gen: int) -> int | None:
+        """``durable_diffs="fulls"``: the newest durable full of ``gen`` — the steps before it need not be held
+        (not a gap when released). None for generations that write every diff."""
+        if gen not in self._lazy_gens:
+            return None
+        return max((e.manifest.last_step for e in self.entries.values() if e.durable
+                    and e.manifest.kind == "full" and e.manifest.generation == gen), default=None)
+
+    def _cover(self, gen: int, step: int) -> None:
+        """Tell the workers holding lazy diffs of ``gen`` that a durable full at ``step`` covers them."""
+        alive = self._alive_nodes()
+        nodes = {n for e in self.entries.values() if e.manifest.generation == gen and e.manifest.kind == "diff"
+                 and e.manifest.last_step <= step and not e.durable for n in e.holders if n in alive}
+        for node in nodes:
+            try:
+                ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).cover.remote(gen, step)
+            except ValueError:
+                pass
 
     @staticmethod
     def _alive_nodes() -> set[str]:
@@ -167,6 +189,8 @@ class Coordinator:
         for n in covers:
             if n in self.entries and n != m.name:
                 self.entries[n].durable = True  # its steps are durable (inside the batch object)
+        if m.kind == "full" and m.generation in self._lazy_gens:
+            self._cover(m.generation, m.last_step)
         if m.kind == "full" and self.keep_fulls > 0:
             deleted = self.gc(self.keep_fulls)
             if deleted:
@@ -205,6 +229,9 @@ class Coordinator:
         for name, e in self.entries.items():
             if e.durable or e.origin != lost:
                 continue
+            floor = self._durable_floor(e.manifest.generation)
+            if floor is not None and e.manifest.last_step <= floor:
+                continue   # covered by a durable full (durable_diffs="fulls")
             live = sorted(n for n in e.holders if n in alive and n != lost)
             if live:
                 todo.setdefault(live[0], []).append(name)
@@ -232,6 +259,9 @@ class Coordinator:
         gen = self._last_generation
         holes = Lineage([e.manifest for e in self.entries.values() if e.manifest.generation == gen]
                         ).uncovered_steps(gen)
+        floor = self._durable_floor(gen)
+        if floor is not None:
+            holes = [s for s in holes if s > floor]
         current = {(gen, s) for s in holes}
         for key in list(self._holes):
             if key not in current:
@@ -403,7 +433,16 @@ class Coordinator:
                 "replicated_objects": sum(1 for e in self.entries.values()
                                           if sum(n in alive for n in e.holders) >= 2),
                 "generation": self._last_generation, "failures": len(self.failures),
-                "started_at": self.started_at}
+                "restorable": self.restorable(), "started_at": self.started_at}
+
+    def restorable(self) -> dict:
+        """Which steps of the current generation restore from which tier: ``{"durable": ranges (storage alone),
+        "memory": ranges (only while the memory tier holds them)}``, ranges as ``[[first, last], ...]``."""
+        gen = self._last_generation
+        durable = set(self._lineage(durable_only=True).reachable_steps(gen))
+        anywhere = set(self._lineage().reachable_steps(gen))
+        return {"generation": gen, "durable": [list(r) for r in _runs(sorted(durable))],
+                "memory": [list(r) for r in _runs(sorted(anywhere - durable))]}
 
     def unpersisted(self) -> dict:
         """``{node_id: [names]}``: objects not yet durable, by a live holder (to promote after a node loss)."""

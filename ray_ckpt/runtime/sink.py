@@ -67,6 +67,8 @@ class RaySink(BoundedSink):
         self.memory_budget = config.memory_budget
         self.replica_enabled = replica
         self.info = dict(info or {})
+        if config.durable_diffs != "all":   # the workers hold these diffs in memory (see CheckpointConfig)
+            self.info["durable_diffs"] = config.durable_diffs
         self.submit_retries = submit_retries
         self.node_id = ray.get_runtime_context().get_node_id()
         self.worker = get_or_create_worker(run, self.node_id, storage, config.memory_budget)
@@ -112,7 +114,8 @@ class RaySink(BoundedSink):
             self._raise_if_failed()
 
     def runtime_stats(self, timeout: float = 10.0) -> dict:
-        """The node worker's and the replica's counters (training thread; one actor call each)."""
+        """The node worker's and the replica's counters, and which steps restore from which tier (the
+        coordinator's ``restorable``). Training thread; one actor call each."""
         out = {"actor_calls": self.actor_calls, "chunks_sent": self.chunks_sent,
                "resent_chunks": self.resent_chunks, "unsafe_chunks": len(self._unsafe),
                "handoff_seconds": self.handoff_seconds, "sender_cpu_seconds": self.sender_cpu_seconds,
@@ -127,6 +130,10 @@ class RaySink(BoundedSink):
                 out["replica"] = ray.get(rep.status.remote(), timeout=timeout)
             except Exception as e:  # noqa: BLE001
                 out["replica"] = {"error": str(e)}
+        try:
+            out["restorable"] = ray.get(self._coordinator.restorable.remote(), timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            out["restorable"] = {"error": str(e)}
         return out
 
     # -- sender thread -------------------------------------------------------------------------------------------

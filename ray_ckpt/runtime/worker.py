@@ -20,6 +20,11 @@ restart never opens a hole in the lineage.
 Messages to the coordinator (held, durable, released) go through one queue and one thread, in order, batched:
 one actor call per ~50 ms, not one per step.
 
+With ``durable_diffs="fulls"`` (in the chunk's manifest info) a diff chunk is *lazy*: it is written only on
+flush, under memory pressure, or when it is not held on a second node (no peer acknowledged it within
+``LAZY_GRACE_S``, or its peer is no longer the ring's next node; on a one-node cluster always); once a durable full of its generation covers
+its steps (:meth:`cover`, from the coordinator), it is dropped from the write queue and becomes releasable.
+
 Memory is bounded by ``memory_budget`` bytes: durable objects are released oldest first (the newest full is
 kept); an object that is not durable is never released, whoever holds it. When nothing is releasable,
 :meth:`submit` waits for the writer, which stalls the sender and, through its bounded queue, the training
@@ -47,6 +52,8 @@ from ray_ckpt.runtime import naming
 log = logging.getLogger("ray_ckpt")
 
 _REPORT_INTERVAL_S = 0.05
+#: durable_diffs="fulls": how long a diff chunk may wait for the peer's acknowledgement before it is written
+LAZY_GRACE_S = 10.0
 
 
 @dataclass
@@ -269,6 +276,24 @@ class PersistenceWorker:
         with self._cv:
             return [(h.manifest.to_json(), [h.ref], h.durable) for h in self._held.values()]
 
+    def cover(self, generation: int, step: int) -> int:
+        """A durable full of ``generation`` at ``step`` exists: lazy diffs up to it need never be written (they
+        stay held, releasable like durable objects, for restores of older steps while memory allows)."""
+        n = 0
+        with self._cv:
+            chunks = self._pending.get(generation, {})
+            for first in [f for f, (m, _) in chunks.items() if m.last_step <= step and _lazy(m)]:
+                del chunks[first]
+            for h in self._held.values():
+                m = h.manifest
+                if m.generation == generation and m.kind == "diff" and m.last_step <= step and _lazy(m) \
+                        and not h.durable:
+                    h.durable = True   # for release and persist: a durable full covers its steps
+                    n += 1
+            self._stats["covered"] += n
+            self._cv.notify_all()
+        return n
+
     def release(self, names: list[str]) -> None:
         with self._cv:
             for n in names:
@@ -380,6 +405,18 @@ class PersistenceWorker:
                     break
             held = self._held.get(run[0].name)
             age = now - held.received if held is not None else self.durable_delay
+            peer_node = self._peer_cache[2] if self._peer_cache is not None else ""
+            if _lazy(run[0]) and not urgent and peer_node:
+                # a lazy chunk is written alone, only when its second copy is missing: the peer did not
+                # acknowledge it within LAZY_GRACE_S, or it is no longer the ring's next node (died, replaced).
+                # Without any peer (one node) this copy is the only one: written like durable_diffs="all".
+                for first in sorted(chunks):
+                    m = chunks[first][0]
+                    h = self._held.get(m.name)
+                    if h is None or (now - h.received >= LAZY_GRACE_S and (not h.peer or h.peer != peer_node)):
+                        del chunks[first]
+                        return "diffs", [m]
+                continue
             if steps >= chunks[run[0].first_step][1] or urgent or age >= self.durable_delay \
                     or run[0].info.get("atomic"):
                 for m in run:
@@ -434,6 +471,11 @@ class PersistenceWorker:
                 ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).mark_durable.remote(names)
             except ValueError:
                 pass
+
+
+def _lazy(m: Manifest) -> bool:
+    """A diff the durable tier gets only when needed (``durable_diffs="fulls"``)."""
+    return m.kind == "diff" and m.info.get("durable_diffs") == "fulls"
 
 
 def _actor_options(name: str, node_id: str) -> dict:
