@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
-.PHONY: venv demo test bench bench-quick clean
+.PHONY: venv demo test bench bench-quick bench-fast clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,9 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --mode quick
+
+bench-fast: $(STAMP)
+	$(PY) -m benchmarks.run --mode fast
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

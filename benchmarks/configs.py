@@ -57,6 +57,14 @@ CONFIGS: list[Config] = [
            note="ray_ckpt.Checkpointer(runtime='ray'): memory tier in a PersistenceWorker actor"),
     Config("lowdiff_dense", "LowDiff dense (local)", "none", "none", "lowdiff",
            note="ray_ckpt.Checkpointer(runtime='local'), LowDiff without compression: dense gradients"),
+    Config("lowdiff_dense_ray", "LowDiff dense (ray)", "none", "none", "lowdiff_ray", ray=True,
+           fail_test=False,
+           note="runtime='ray' without compression: dense gradients every step to the PersistenceWorker and the "
+                "shadow replica; every diff also written to storage (durable_diffs='all')"),
+    Config("lowdiff_dense_ray_fulls", "LowDiff dense (ray, durable fulls)", "none", "none", "lowdiff_ray_fulls",
+           ray=True, fail_test=False,
+           note="as lowdiff_dense_ray with durable_diffs='fulls': diffs held in memory on two nodes, written only "
+                "when their second copy is missing (on this one-node benchmark cluster: always, see README)"),
     Config("amber", "Amber (local)", "none", "none", "amber",
            note="ray_ckpt.Amber() selective incremental checkpointing, runtime='local' (if available)"),
 ]

@@ -1,5 +1,6 @@
-"""The training jobs the benchmark runs: the byte-level GPT of ``examples/gpt.py`` and a small CNN on synthetic
-images. A job is a pure description (:class:`JobSpec`, JSON-friendly) plus :func:`build`, which makes the model,
+"""The training jobs the benchmark runs: the byte-level GPT of ``examples/gpt.py``, a small CNN on synthetic
+images, and the Fashion-MNIST MLP of Ray Train's own example on synthetic 28x28 images (``mlp:fmnist``: ~10 ms
+steps, where a checkpointer's per-step fixed cost shows). A job is a pure description (:class:`JobSpec`, JSON-friendly) plus :func:`build`, which makes the model,
 the deterministic batches and the loss in a training process.
 
 Batches depend only on ``(seed, step, rank)``, so every configuration trains on exactly the same data.
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class JobSpec:
-    """One training job. ``kind`` is ``"gpt"`` or ``"cnn"``; ``size`` a GPT preset or a CNN width name."""
+    """One training job. ``kind`` is ``"gpt"``, ``"cnn"`` or ``"mlp"``; ``size`` a GPT preset, a CNN width name or
+    ``"fmnist"`` (the MLP)."""
 
     kind: str
     size: str
@@ -59,16 +61,33 @@ class SmallCNN(nn.Module):
 class SyntheticImages:
     """Deterministic synthetic 32x32 RGB images: a class-dependent pattern plus noise, so the loss falls."""
 
-    def __init__(self, batch: int, classes: int = 10, size: int = 32, seed: int = 0):
-        self.batch, self.classes, self.size, self.seed = batch, classes, size, seed
+    def __init__(self, batch: int, classes: int = 10, size: int = 32, seed: int = 0, channels: int = 3):
+        self.batch, self.classes, self.size, self.seed, self.channels = batch, classes, size, seed, channels
         g = torch.Generator().manual_seed(seed + 12345)
-        self.templates = torch.randn(classes, 3, size, size, generator=g)
+        self.templates = torch.randn(classes, channels, size, size, generator=g)
 
     def get(self, step: int, rank: int = 0):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + rank)
         y = torch.randint(0, self.classes, (self.batch,), generator=g)
-        x = 0.5 * self.templates[y] + torch.randn(self.batch, 3, self.size, self.size, generator=g)
+        x = 0.5 * self.templates[y] + torch.randn(self.batch, self.channels, self.size, self.size, generator=g)
         return x, y
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fashion-MNIST MLP (the network of Ray Train's PyTorch quickstart: 784-512-512-10, ReLU, dropout 0.25; trained
+# there with SGD lr 1e-3 momentum 0.9). Dropout makes the step draw from the RNG, as real jobs do.
+# ------------------------------------------------------------------------------------------------------------
+MLP_SIZES = {"fmnist": 512}
+
+
+class FashionMLP(nn.Module):
+    def __init__(self, hidden: int = 512, classes: int = 10):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, hidden), nn.ReLU(), nn.Dropout(0.25),
+                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.25), nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.net(x)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -114,8 +133,13 @@ def build_model(spec: JobSpec, device, seed: int = 0) -> nn.Module:
         except KeyError:
             raise ValueError(f"unknown CNN size {spec.size!r}; choose from {sorted(CNN_WIDTHS)}") from None
         model = SmallCNN(width)
+    elif spec.kind == "mlp":
+        try:
+            model = FashionMLP(MLP_SIZES[spec.size])
+        except KeyError:
+            raise ValueError(f"unknown MLP size {spec.size!r}; choose from {sorted(MLP_SIZES)}") from None
     else:
-        raise ValueError(f"unknown job kind {spec.kind!r} (gpt | cnn)")
+        raise ValueError(f"unknown job kind {spec.kind!r} (gpt | cnn | mlp)")
     return model.to(device)
 
 
@@ -132,14 +156,20 @@ def build(spec: JobSpec, device, seed: int = 0) -> Job:
         from examples.gpt import ByteBatches
         batches = ByteBatches(_corpus(), model.config.seq, spec.batch, seed=seed)
         loss = _gpt_loss
+    elif spec.kind == "mlp":
+        batches = SyntheticImages(spec.batch, size=28, channels=1, seed=seed)
+        loss = _cnn_loss
     else:
         batches = SyntheticImages(spec.batch, seed=seed)
         loss = _cnn_loss
     return Job(spec, model, batches, loss)
 
 
-def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW, as in the seed papers' GPT runs (weight decay 0.1, betas 0.9/0.95)."""
+def make_optimizer(model: nn.Module, lr: float, kind: str = "gpt") -> torch.optim.Optimizer:
+    """AdamW, as in the seed papers' GPT runs (weight decay 0.1, betas 0.9/0.95); SGD with momentum 0.9 for the
+    MLP, as in Ray Train's Fashion-MNIST example."""
+    if kind == "mlp":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
 
 

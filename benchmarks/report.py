@@ -9,7 +9,7 @@ Definitions (per job and configuration, over every measured step of every round)
   the same with medians (the typical step); ``vs_ddp_pct`` — mean against plain DDP without checkpointing;
 * ``bytes_per_step`` — bytes persisted by the training loop's checkpoints (saves inside the loop, not the
   attach-time full) / loop steps; ``fraction_of_full`` — that over the bytes of a full checkpoint's tensors
-  (model state_dict + AdamW state);
+  (model state_dict + optimizer state: AdamW, SGD momentum for the MLP);
 * ``peak_rss_mb`` — RSS high-water mark of the checkpointing process (rank 0) during training, median over
   segments (reset at the start of each forked segment process);
 * ``drain_s`` — time after the last step until every checkpoint taken is on storage (flush / wait).
@@ -31,6 +31,31 @@ def _half_range(d: dict) -> float:
     if len(v) < 2:
         return 0.0
     return (max(v) - min(v)) / 2 / (sum(v) / len(v))
+
+
+# two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal 1.96)
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def ci95(xs: list[float]) -> tuple[float, float] | None:
+    """95% confidence interval of the mean of ``xs`` (Student's t; the samples are per-round paired overheads,
+    each round's configuration against its own reference in the same round). None with fewer than two."""
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    sd = statistics.stdev(xs)
+    h = (_T95[len(xs) - 2] if len(xs) - 1 <= len(_T95) else 1.96) * sd / len(xs) ** 0.5
+    return m - h, m + h
+
+
+def ci_verdict(ci, limit: float) -> str:
+    """``met`` when the whole interval is at or below ``limit``, ``missed`` when it is all above, else
+    ``inconclusive``."""
+    if ci is None:
+        return "inconclusive"
+    return "met" if ci[1] <= limit else ("missed" if ci[0] > limit else "inconclusive")
 
 
 def verdict(value: float, noise: float, limit: float) -> str:
@@ -173,11 +198,18 @@ def build(raw: dict, settings: dict, all_configs) -> dict:
                 paired = [s["round_means_s"][r] / ref["round_means_s"][r] - 1 for r in s["round_means_s"]
                           if r in ref["round_means_s"]]
                 s["overhead_paired_rounds_pct"] = [100 * p for p in paired]
+                ci = ci95(s["overhead_paired_rounds_pct"])
+                if ci is not None:
+                    s["overhead_paired_mean_pct"] = sum(s["overhead_paired_rounds_pct"]) / len(paired)
+                    s["overhead_ci95_pct"] = list(ci)
                 if ref.get("cpu_per_step_s") and s.get("cpu_per_step_s") is not None:
                     s["overhead_cpu_pct"] = 100 * (s["cpu_per_step_s"] / ref["cpu_per_step_s"] - 1)
                     s["overhead_cpu_paired_rounds_pct"] = [
                         100 * (s["round_cpu_s"][r] / ref["round_cpu_s"][r] - 1) for r in s["round_cpu_s"]
                         if r in ref["round_cpu_s"] and ref["round_cpu_s"][r]]
+                    ci = ci95(s["overhead_cpu_paired_rounds_pct"])
+                    if ci is not None:
+                        s["overhead_cpu_ci95_pct"] = list(ci)
                 # noise: the spread of the round means of this configuration and of its reference
                 s["noise_pct"] = 100 * (_half_range(s["round_means_s"]) ** 2 + _half_range(ref["round_means_s"]) ** 2) ** 0.5
                 s["noise_median_pct"] = 100 * (_half_range(s["round_medians_s"]) ** 2
@@ -257,6 +289,14 @@ def targets(summ: dict) -> dict:
             t["bytes_per_step_le_1pct"] = {"diff_only_pct": 100 * ld["diff_fraction_of_full"],
                                            "with_fulls_pct": 100 * ld.get("fraction_of_full", float("nan")),
                                            "verdict": "met" if ld["diff_fraction_of_full"] <= 0.01 else "missed"}
+    # issue #11 (fast steps): checkpointing every step costs <= 25% dense, <= 10% top-k (paired-round 95% CI)
+    for name, limit in (("lowdiff_dense", 25.0), ("lowdiff_dense_ray", 25.0), ("lowdiff_dense_ray_fulls", 25.0),
+                        ("lowdiff_topk", 10.0), ("lowdiff_topk_ray", 10.0)):
+        s = summ.get(name)
+        if s and s.get("overhead_ci95_pct"):
+            t[f"{name}_overhead_le_{limit:.0f}pct_ci95"] = {
+                "mean_pct": s["overhead_paired_mean_pct"], "ci95_pct": s["overhead_ci95_pct"],
+                "verdict": ci_verdict(s["overhead_ci95_pct"], limit)}
     lr = summ.get("lowdiff_topk_ray")
     rec = (lr or {}).get("recovery") or {}
     for point in ("latest", "chain", "full"):
@@ -310,14 +350,15 @@ def markdown(result: dict, all_configs) -> str:
         c = j["configs"]
         any_c = next(iter(c.values()))
         lines += ["", f"## {job}: {any_c.get('param_count', 0) / 1e6:.2f}M parameters, full checkpoint "
-                      f"(model + AdamW state) {_bytes(any_c.get('full_ckpt_bytes'))}", "",
+                      f"(model + optimizer state) {_bytes(any_c.get('full_ckpt_bytes'))}", "",
                   f"Load average during this job: median {_fmt(_median([x.get('loadavg_median') for x in c.values()]), '.1f')} "
                   f"on {m.get('cores')} cores (other work on the machine adds noise to wall times; the CPU columns "
                   "are less sensitive to it).", "",
-                  "| configuration | reference | step ms (median) | overhead (mean step) | per round | noise ± "
+                  "| configuration | reference | step ms (median) | overhead (mean step) | per round "
+                  "| 95% CI (paired rounds) | noise ± "
                   "| overhead (median step) | noise ± | CPU/step overhead | CPU noise ± | train-thread CPU "
                   "| vs plain DDP | bytes/step | % of full | peak RSS rank 0 | drain s | steps lost |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, s in c.items():
             lost = s.get("steps_lost")
             ref_label = labels.get(s['reference'], s['reference']) if s['reference'] != name else '—'
@@ -325,6 +366,7 @@ def markdown(result: dict, all_configs) -> str:
                 f"| {labels.get(name, name)} | {ref_label} | {_fmt(s['median_step_s'] * 1e3)} "
                 f"| {_pct(s.get('overhead_pct'))} "
                 f"| {'/'.join(f'{x:+.0f}' for x in s.get('overhead_paired_rounds_pct', [])) if name != s['reference'] else '–'} "
+                f"| {('[%+.1f, %+.1f]%%' % tuple(s['overhead_ci95_pct'])) if s.get('overhead_ci95_pct') and name != s['reference'] else '–'} "
                 f"| {_fmt(s.get('noise_pct'), '.1f')} | {_pct(s.get('overhead_median_pct'))} "
                 f"| {_fmt(s.get('noise_median_pct'), '.1f')} "
                 f"| {_pct(s.get('overhead_cpu_pct'))} | {_fmt(s.get('noise_cpu_pct'), '.1f')} "
@@ -450,7 +492,7 @@ def plot(result: dict, path: str, all_configs) -> None:
         ax.set_yticks(yb)
         ax.set_yticklabels([labels.get(n, n) for n in bnames], fontsize=8)
         ax.axvline(1.0, color="tab:blue", ls="--", lw=0.8)
-        ax.set_xlabel("bytes persisted per step, % of a full checkpoint (model + AdamW state), log scale")
+        ax.set_xlabel("bytes persisted per step, % of a full checkpoint (model + optimizer state), log scale")
         full = next(iter(c.values())).get("full_ckpt_bytes")
         ax.set_title(f"{job}: bytes per step (a full checkpoint = {_bytes(full)})")
         ax.grid(axis="x", alpha=0.3, which="major")

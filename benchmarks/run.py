@@ -39,6 +39,11 @@ MODES = {
     # quick: both jobs, small sizes (< ~3 min on 2 cores)
     "quick": dict(jobs=["gpt:tiny:8", "cnn:tiny:16"], rounds=2, steps=12, warmup=3, recover_repeats=2,
                   fail_trials=1),
+    # fast steps (issue #11): Ray Train's Fashion-MNIST MLP at ~100 steps/s, where per-step fixed cost shows;
+    # many short interleaved rounds so that the paired-round confidence interval is tight enough to judge
+    "fast": dict(jobs=["mlp:fmnist:32:0.001"], rounds=6, steps=150, warmup=30, recover_repeats=1, fail_trials=0,
+                 configs=["none", "torch_save_1", "dcp_async", "lowdiff_dense", "lowdiff_dense_ray",
+                          "lowdiff_dense_ray_fulls", "topk_none", "lowdiff_topk", "lowdiff_topk_ray"]),
     # full: GPT ~10.9M params and the small CNN
     "full": dict(jobs=["gpt:10m:4", "cnn:small:32"], rounds=3, steps=10, warmup=2, recover_repeats=3,
                  fail_trials=1),
@@ -51,8 +56,8 @@ def parse_job(s: str) -> jobs.JobSpec:
     if len(parts) not in (3, 4):
         raise argparse.ArgumentTypeError(f"job must be kind:size:batch[:lr], got {s!r}")
     spec = jobs.JobSpec(parts[0], parts[1], int(parts[2]), *(float(p) for p in parts[3:]))
-    if spec.kind not in ("gpt", "cnn"):
-        raise argparse.ArgumentTypeError(f"job kind must be gpt or cnn, got {spec.kind!r}")
+    if spec.kind not in ("gpt", "cnn", "mlp"):
+        raise argparse.ArgumentTypeError(f"job kind must be gpt, cnn or mlp, got {spec.kind!r}")
     return spec
 
 

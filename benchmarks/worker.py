@@ -116,7 +116,7 @@ class Ctx:
         """A fresh model, optimizer and scheduler (as a restarted process would build them)."""
         spec = jobs.JobSpec(**self.seg["job"])
         model = jobs.build_model(spec, self.device, seed=seed)
-        opt = jobs.make_optimizer(model, spec.lr)
+        opt = jobs.make_optimizer(model, spec.lr, spec.kind)
         return model, opt, jobs.make_scheduler(opt, total=self.total_steps)
 
 
@@ -372,6 +372,7 @@ class LowDiffSaver(Saver):
     """``ray_ckpt.Checkpointer`` on rank 0 (its hooks do the work; nothing to call per step)."""
 
     runtime = "local"
+    extra_kwargs: dict = {}
 
     @classmethod
     def strategy(cls):
@@ -388,7 +389,7 @@ class LowDiffSaver(Saver):
         self.uri = os.path.join(ctx.dir, "ckpt")
         self.ck = ray_ckpt.Checkpointer(self.uri, ctx.ddp, ctx.opt, scheduler=ctx.sched, strategy=self.strategy(),
                                         full_every=ctx.full_every, batch_steps=seg["batch_steps"],
-                                        runtime=self.runtime, run=seg.get("run"))
+                                        runtime=self.runtime, run=seg.get("run"), **self.extra_kwargs)
         # the attach-time full (step 0: model only, the optimizer has no state yet) is written before the first
         # step, so that the loop's byte counts hold only what the loop itself persisted
         self.ck.flush()
@@ -456,7 +457,8 @@ class LowDiffRaySaver(LowDiffSaver):
             import ray
             from ray_ckpt.runtime import naming
             node = ray.get_runtime_context().get_node_id()
-            for name in (naming.worker_name(ctx.seg["run"], node), naming.coordinator_name(ctx.seg["run"])):
+            for name in (naming.worker_name(ctx.seg["run"], node), naming.coordinator_name(ctx.seg["run"]),
+                         naming.replica_name(ctx.seg["run"])):
                 try:
                     h = ray.get_actor(name, namespace=naming.NAMESPACE)
                     self.actor_pids.append(ray.get(h.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
@@ -473,6 +475,10 @@ class LowDiffRaySaver(LowDiffSaver):
         return total
 
 
+class LowDiffRayFullsSaver(LowDiffRaySaver):
+    extra_kwargs = {"durable_diffs": "fulls"}
+
+
 class AmberSaver(LowDiffSaver):
     @classmethod
     def strategy(cls):
@@ -482,6 +488,7 @@ class AmberSaver(LowDiffSaver):
 
 SAVERS: dict[str, type[Saver]] = {"none": Saver, "torch_save": TorchSave, "checkfreq": CheckFreq,
                                   "dcp_async": DCPAsync, "lowdiff": LowDiffSaver, "lowdiff_ray": LowDiffRaySaver,
+                                  "lowdiff_ray_fulls": LowDiffRayFullsSaver,
                                   "amber": AmberSaver}
 
 
@@ -504,7 +511,7 @@ def build_training(ctx: Ctx) -> None:
     if ctx.cfg.hook == "topk":
         from ray_ckpt.compression import TopKState, topk_hook
         ctx.ddp.register_comm_hook(TopKState(ratio=seg["topk_ratio"]), topk_hook)
-    ctx.opt = jobs.make_optimizer(ctx.model, ctx.job.spec.lr)
+    ctx.opt = jobs.make_optimizer(ctx.model, ctx.job.spec.lr, ctx.job.spec.kind)
     ctx.sched = jobs.make_scheduler(ctx.opt, total=ctx.total_steps)
 
 
