@@ -18,6 +18,7 @@ import torch
 from ray_ckpt.config import LowDiff
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
+from ray_ckpt.lineage.manifest import ManifestError
 
 
 class StrategyImpl(Protocol):
@@ -111,5 +112,6 @@ def impl_by_name(name: str) -> StrategyImpl:
     try:
         config_cls, impl_cls = _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"objects were written with strategy {name!r}, which this ray_ckpt does not know") from None
+        raise ManifestError(f"objects were written with strategy {name!r:.80}, which this ray_ckpt does not "
+                            "know") from None
     return impl_cls(config_cls())

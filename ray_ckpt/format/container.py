@@ -29,6 +29,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ray_ckpt.format import safejson
+
 MAGIC = b"RCKPT\x00\x01\x00"
 ALIGN = 64
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -164,8 +166,8 @@ def decode(data: bytes | bytearray | memoryview, name: str = "<object>", *,
     if zlib.crc32(header_bytes) != header_crc:
         raise _fail(name, "header checksum mismatch")
     try:
-        header = json.loads(header_bytes)
-    except (ValueError, UnicodeDecodeError) as e:
+        header = safejson.loads(header_bytes)
+    except ValueError as e:
         raise _fail(name, f"header is not valid JSON: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("tensors"), list):
         raise _fail(name, "header has no tensor table")
@@ -191,7 +193,7 @@ def decode(data: bytes | bytearray | memoryview, name: str = "<object>", *,
             raise _fail(name, f"malformed tensor entry {e!r:.200}") from None
         if not isinstance(tname, str) or tname in arrays:
             raise _fail(name, f"bad or duplicate tensor name {tname!r:.100}")
-        if dname not in _DTYPES:
+        if not isinstance(dname, str) or dname not in _DTYPES:
             raise _fail(name, f"tensor {tname!r}: dtype {dname!r:.50} is not allowed")
         if (not isinstance(shape, list) or len(shape) > MAX_NDIM
                 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in shape)):

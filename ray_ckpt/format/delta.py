@@ -401,7 +401,7 @@ def decode_records(data, name: str) -> list[AmberRecord]:
                                    opt_misc=decode_tree(rm["opt_misc"], tensors),
                                    buffers={n: tensors[k] for n, k in rm["buffers"].items()}))
         return out
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
         if isinstance(e, container.CorruptObjectError):
             raise
         raise container.CorruptObjectError(name, f"malformed Amber diff object: {e}") from None

@@ -196,7 +196,7 @@ def decode_steps(data, name: str) -> list[StepRecord]:
             out.append(StepRecord(step=step, grads=grads, hparams=decode_tree(sm["hparams"], tensors),
                                   loop=decode_tree(sm["loop"], tensors), buffers=buffers))
         return out
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
         raise container.CorruptObjectError(name, f"malformed diff batch: {e}") from None
 
 
@@ -227,7 +227,7 @@ def decode_full(data, name: str, *, verify: bool = True, copy: bool = True) -> F
             raise TreeError("bad layout")
         return FullState(step=int(meta["step"]), model=model, optimizer=decode_tree(meta["optimizer"], tensors),
                          loop=decode_tree(meta["loop"], tensors), layout=layout)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
         raise container.CorruptObjectError(name, f"malformed full checkpoint: {e}") from None
 
 

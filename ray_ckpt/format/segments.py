@@ -15,6 +15,7 @@ import json
 import struct
 import zlib
 
+from ray_ckpt.format import safejson
 from ray_ckpt.format.container import ALIGN, MAGIC, MAX_HEADER_BYTES, CorruptObjectError
 
 _PREFIX = struct.Struct("<8sQI")
@@ -102,8 +103,8 @@ def split(data, name: str = "<object>") -> list[memoryview]:
         if zlib.crc32(header_bytes) != header_crc:
             raise CorruptObjectError(name, f"segment at byte {pos}: header checksum mismatch")
         try:
-            data_len = json.loads(header_bytes).get("data_len")
-        except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
+            data_len = safejson.loads(header_bytes).get("data_len")
+        except (ValueError, AttributeError):
             raise CorruptObjectError(name, f"segment at byte {pos}: header is not a JSON object") from None
         data_start = hstart + header_len
         data_start += (-data_start) % ALIGN

@@ -52,7 +52,9 @@ def decode_index(data: bytes) -> tuple[int, dict, list[Manifest]]:
     """``(generation, watermarks, manifests)``; raises :class:`IndexError_` when malformed."""
     try:
         d = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise IndexError_("lineage index is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError, TypeError) as e:
         raise IndexError_(f"lineage index is not valid JSON: {e}") from None
     if not isinstance(d, dict) or d.get("format") != INDEX_FORMAT:
         raise IndexError_(f"lineage index has an unknown format {d.get('format') if isinstance(d, dict) else d!r:.40}")
@@ -61,7 +63,7 @@ def decode_index(data: bytes) -> tuple[int, dict, list[Manifest]]:
         raise IndexError_("lineage index lacks generation/watermarks/manifests")
     try:
         ms = [Manifest.from_json(json.dumps(x).encode(), "<index>") for x in raw]
-    except (ManifestError, TypeError) as e:
+    except (ManifestError, TypeError, RecursionError) as e:
         raise IndexError_(f"lineage index holds a bad manifest: {e}") from None
     for stream, key in marks.items():
         if not isinstance(key, str) or not layout.MANIFEST_KEY_RE.match(key) or \

@@ -16,6 +16,7 @@ from ray_ckpt.lineage import layout
 
 MAX_OBJECT_BYTES = 1 << 46  # 64 TiB: anything larger is refused as absurd
 MAX_STEP = 10**12 - 1
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few hundred bytes; its info dict stays small
 
 
 class ManifestError(ValueError):
@@ -52,8 +53,12 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, source: str = "<manifest>") -> "Manifest":
         try:
+            if len(data) > MAX_MANIFEST_BYTES:
+                raise ValueError(f"{len(data)} bytes exceed the {MAX_MANIFEST_BYTES}-byte limit")
             d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
+        except RecursionError:   # checksummed but nested absurdly deep: malformed, not a crash
+            raise ManifestError(f"manifest {source!r} is nested too deeply") from None
+        except (ValueError, UnicodeDecodeError, TypeError) as e:
             raise ManifestError(f"manifest {source!r} is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ManifestError(f"manifest {source!r} is not an object")
