@@ -226,10 +226,14 @@ class Coordinator:
         them to storage now (the sender resends what no peer held)."""
         alive = self._alive_nodes()
         todo: dict[str, list[str]] = {}
+        floors: dict[int, int | None] = {}   # one scan of the entries per generation, not one per entry
         for name, e in self.entries.items():
             if e.durable or e.origin != lost:
                 continue
-            floor = self._durable_floor(e.manifest.generation)
+            gen = e.manifest.generation
+            if gen not in floors:
+                floors[gen] = self._durable_floor(gen)
+            floor = floors[gen]
             if floor is not None and e.manifest.last_step <= floor:
                 continue   # covered by a durable full (durable_diffs="fulls")
             live = sorted(n for n in e.holders if n in alive and n != lost)
