@@ -1,16 +1,16 @@
-"""Parsing JSON read from storage (object headers, manifests, the lineage index) with limits.
+"""Parsing JSON read from storage (object and segment headers) with limits. The lineage layer may not import
+this one, so manifests and the lineage index apply the same rule in :mod:`ray_ckpt.lineage` themselves.
 
 Checksums prove that bytes are what a writer wrote, not that the writer was sane: a buggy or hostile writer can
 checksum a header nested ten thousand levels deep or a manifest of a gigabyte. :func:`loads` turns every such
-input into a ``ValueError`` (which the callers map to ``CorruptObjectError`` / ``ManifestError`` /
-``IndexError_``) instead of a ``RecursionError`` or an unbounded allocation. Runs in any process that reads.
+input into a ``ValueError`` (which the callers map to ``CorruptObjectError``) instead of a ``RecursionError`` or an unbounded allocation. Runs in any process that reads.
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
-#: the largest JSON document read from storage (the lineage index of a very long run is the biggest)
+#: the largest JSON header accepted (container headers are also bounded by MAX_HEADER_BYTES before parsing)
 MAX_JSON_BYTES = 256 << 20
 
 
