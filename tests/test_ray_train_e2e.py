@@ -71,6 +71,20 @@ def _progress(out):
         return {"step": 0, "world": 0}
 
 
+def _refresh_train_autoscaling_view():
+    """Make Ray Train's elastic policy see nodes added a moment ago.
+
+    Ray 2.60's elastic policy sizes a run from the cluster-wide AutoscalingCoordinator actor, whose view of the
+    nodes is refreshed only on its 20 s tick; earlier tests created that actor, so nodes added just now are not in
+    it and the run starts with 1 worker (CI saw exactly that). ``get_reserved_resources(recompute=True)`` runs the
+    tick now. Test-only use of a Ray internal (Ray is pinned to 2.60.x)."""
+    try:
+        actor = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    except ValueError:
+        return  # not created yet: it is created with a fresh view of the nodes
+    ray.get(actor.get_reserved_resources.remote("ray-ckpt-test-probe", recompute=True), timeout=30)
+
+
 def test_node_removed_elastic_run_continues_from_exact_step(tmp_path, reference, ray_cluster):  # noqa: F811
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -82,6 +96,7 @@ def test_node_removed_elastic_run_continues_from_exact_step(tmp_path, reference,
     while ray.available_resources().get("elastic", 0) < 2 and time.time() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("elastic", 0) >= 2, ray.available_resources()
+    _refresh_train_autoscaling_view()
     out = tmp_path / "out"
     out.mkdir()
     removed = {}

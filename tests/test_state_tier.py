@@ -211,6 +211,33 @@ def test_removed_trainer_node_restores_latest_from_the_replica_with_zero_replay(
     T.assert_same(ref[25], T.snapshot(m, o, sc), "latest after the trainer node was lost")
 
 
+def test_a_new_replica_that_lands_on_the_trainers_node_is_placed_again(run_env, monkeypatch, caplog):
+    """Soft node affinity can fall back to the trainer's own node although a peer is alive (CI saw it): the
+    attach re-places a replica it has just created; an existing one is never moved."""
+    from ray_ckpt.runtime import client
+    run, uri = run_env
+    me = ray.get_runtime_context().get_node_id()
+    real = client._replica_node
+    targets = []
+
+    def first_here_then_peer():   # a test double for the fallback: the first placement lands on this node
+        targets.append(me if not targets else real())
+        return targets[-1]
+
+    monkeypatch.setattr(client, "_replica_node", first_here_then_peer)
+    storage = open_storage(uri)
+    client.get_or_create_coordinator(run, storage, full_every=10, batch_steps=4)
+    with caplog.at_level(logging.INFO, logger="ray_ckpt"):
+        replica = client._place_replica(run, storage, full_every=10, max_lag=64)
+    where = ray.get(replica.ping.remote())
+    assert len(targets) == 2 and targets[0] == me and where == targets[1] != me, (targets, where)
+    assert "placing it again" in caplog.text and "runs on the trainer's node" not in caplog.text
+    # an existing replica stays where it is, with a WARNING when that is this node
+    monkeypatch.setattr(client, "_replica_node", lambda: me)
+    again = client._place_replica(run, storage, full_every=10, max_lag=64)
+    assert ray.get(again.ping.remote()) == where
+
+
 def test_killed_replica_is_rebuilt_and_follows_again(run_env):
     run, uri = run_env
     ref = _reference_states(40)

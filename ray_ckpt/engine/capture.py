@@ -14,6 +14,8 @@ Call order (all on the training thread, inside the user's loop; nothing to call 
                                       (after its scheduler.step() / scaler.update()) → the pending record is
                                       finalized and handed to the sink. Without a scheduler or scaler the
                                       record is finalized in the post-hook already.
+    a second scaler.update()         : the next iteration was skipped by the GradScaler (inf/NaN gradients):
+                                      the pending record is finalized before that update runs.
 
 The scheduler is read, never wrapped: its ``state_dict()`` stays exactly the user's. The price of reading it
 at the next step is latency: with a scheduler, step ``s`` reaches the sink when step ``s+1`` starts (or at
@@ -225,7 +227,32 @@ class CaptureBase:
         self.last_snapshot_seconds: float | None = None  # training-thread time of the latest full snapshot
         self._handles = [optimizer.register_step_pre_hook(self._pre_hook),
                          optimizer.register_step_post_hook(self._post_hook)]
+        self._updates_since_step = 0
+        self._scaler_update = None
+        if scaler is not None and callable(getattr(scaler, "update", None)):
+            self._wrap_scaler_update(scaler)
         setattr(optimizer, ATTACHED_ATTR, self)
+
+    def _wrap_scaler_update(self, scaler) -> None:
+        """GradScaler skips: when a step's gradients hold inf/NaN, ``scaler.step`` skips ``optimizer.step()``, so
+        no hook of ours runs in that iteration, yet its ``scaler.update()`` and the loop's ``scheduler.step()``
+        change the loop state. The first ``update()`` after a step belongs to that step; a second one means
+        the next iteration was skipped: the pending record is finalized right before it runs, so scheduler,
+        scaler, RNG and extra state all describe the end of the step's own iteration (the restored run then
+        replays the skipped iteration exactly as the uninterrupted one did). ``update`` is wrapped on the
+        instance (GradScaler's ``state_dict`` does not include instance attributes) and unwrapped at detach."""
+        original = scaler.update
+
+        def update(*args, **kwargs):
+            with self._lock:
+                if self._pending is not None and self._updates_since_step >= 1:
+                    self._finalize()
+                self._updates_since_step += 1
+            return original(*args, **kwargs)
+
+        update.__wrapped__ = original  # type: ignore[attr-defined]
+        scaler.update = update
+        self._scaler_update = update
 
     # -- what a strategy provides ----------------------------------------------------------------------------
     def _before_step(self, optimizer) -> None:
@@ -265,6 +292,7 @@ class CaptureBase:
             if self.capture_buffers:
                 buffers = {n: self._copy(b) for n, b in self._buffers}
             self._pending = self._make_record(step, loop, buffers)
+            self._updates_since_step = 0
             self.step = step
             if self.scheduler is None and self.scaler is None:
                 self._finalize()
@@ -353,6 +381,9 @@ class CaptureBase:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._scaler_update is not None and self.scaler.__dict__.get("update") is self._scaler_update:
+            del self.scaler.update
+        self._scaler_update = None
         if getattr(self.optimizer, ATTACHED_ATTR, None) is self:
             delattr(self.optimizer, ATTACHED_ATTR)
 

@@ -185,7 +185,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     On a fresh run it returns ``start_step == 0``. When the run already has a lineage (Ray Train restarted the
     worker group after a failure or resize, or the whole driver was restarted with the same run name), every
     rank restores model, optimizer, scheduler, scaler and extra state to the latest recoverable step and
-    ``start_step`` is that step: the loop continues with its ``(start_step+1)``-th optimizer step.
+    ``start_step`` is that step: the loop continues with its ``(start_step+1)``-th optimizer step. The step is
+    decided once, by world rank 0, and restored on every rank (see :func:`agreed_restore`); when any rank
+    cannot restore it, every rank raises :class:`RestoreError`.
     World rank 0 then captures every optimizer step; every rank reports a pointer checkpoint every
     ``report_every`` steps (default: ``full_every``; 0 disables) so ``Result.checkpoint`` names the lineage head.
 
@@ -201,13 +203,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
                                       batch_steps=config.batch_steps)
     policy = ray.get(coord.get_policy.remote())
     t0 = time.perf_counter()
-    try:
-        start = restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state, scaler=scaler,
-                        runtime="ray", run=run)
-        restored = True
-    except NoCheckpointError as e:
-        log.info("ray_ckpt: run %r starts from scratch (%s)", run, e)
-        start, restored = 0, False
+    start, restored = agreed_restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
+                                     scaler=scaler, run=run)
     restore_seconds = time.perf_counter() - t0
     if restored:
         log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, restore_seconds)
@@ -224,6 +221,65 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     if every:
         session._hooks.append(_install_pointer_reports(optimizer, session, start, every))
     return session
+
+
+class RestoreError(RuntimeError):
+    """The ranks of a worker group could not all restore the step they agreed on (raised on every rank)."""
+
+
+def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=None, scaler=None,
+                   run: str | None = None, runtime: str = "ray") -> tuple[int, bool]:
+    """Restore every rank of the process group to **one** step; returns ``(step, restored)``. Runs in each
+    training process (every rank calls it; it is collective when ``torch.distributed`` is initialized).
+
+    World rank 0 resolves the latest recoverable step once (the coordinator's plan) and broadcasts it; every
+    rank restores exactly that step (so a commit landing while the ranks resolve cannot split them across two
+    steps); then the ranks exchange their outcome, and when any rank failed, every rank raises
+    :class:`RestoreError` naming the failed ranks (a group never trains from mixed states). A run without a
+    lineage starts from scratch on every rank: ``(0, False)``. Without a process group (or a group of one)
+    this is a plain :func:`ray_ckpt.restore` of the latest step. ``runtime`` as in :func:`ray_ckpt.restore`
+    (``"local"``: storage only, no Ray needed)."""
+    import torch.distributed as dist
+    from ray_ckpt.runtime.client import resolve_step
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not group:
+        try:
+            return restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
+                           scaler=scaler, runtime=runtime, run=run), True
+        except NoCheckpointError as e:
+            log.info("ray_ckpt: run %r starts from scratch (%s)", run, e)
+            return 0, False
+    rank = dist.get_rank()
+    decision: list = [None]
+    if rank == 0:
+        try:
+            decision[0] = ("step", resolve_step(storage, None, run=run, use_coordinator=runtime == "ray"))
+        except NoCheckpointError as e:
+            decision[0] = ("fresh", str(e))
+        except Exception as e:  # noqa: BLE001 - told to every rank below, then raised there
+            decision[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(decision, src=0)
+    kind, value = decision[0]
+    if kind == "error":
+        raise RestoreError(f"rank 0 could not resolve the step to restore: {value}")
+    if kind == "fresh":
+        log.info("ray_ckpt: run %r starts from scratch (%s)", run, value)
+        return 0, False
+    error = None
+    try:
+        got = restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state, scaler=scaler,
+                      step=value, runtime=runtime, run=run)
+        if got != value:
+            error = f"restored step {got} instead of {value}"
+    except Exception as e:  # noqa: BLE001 - exchanged with the other ranks, then raised on all
+        error = f"{type(e).__name__}: {e}"
+    outcomes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, error)
+    failed = {r: e for r, e in enumerate(outcomes) if e is not None}
+    if failed:
+        raise RestoreError(f"restore of step {value} failed on rank(s) {sorted(failed)}: "
+                           + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
+    return value, True
 
 
 def _resolve_storage(run: str, storage_uri, storage_options):
@@ -275,4 +331,5 @@ def read_pointer(checkpoint) -> dict:
             return json.load(f)
 
 
-__all__ = ["RayCkptCallback", "TrainSession", "attach", "read_pointer", "flush_run"]
+__all__ = ["RayCkptCallback", "RestoreError", "TrainSession", "agreed_restore", "attach", "read_pointer",
+           "flush_run"]

@@ -8,7 +8,7 @@ import logging
 
 import ray
 
-from ray_ckpt.engine.restore import LoadedChain, load_chain, read_object
+from ray_ckpt.engine.restore import LoadedChain, load_chain, load_lineage, read_object
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.lineage import Manifest, NoCheckpointError, Plan
@@ -42,17 +42,48 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict):
     generation, policy = ray.get([coord.new_generation.remote(), coord.get_policy.remote()])
     replica = None
     if config.replica and impl.name == "lowdiff":
-        from ray_ckpt.runtime.replica import get_or_create_replica
-        replica = get_or_create_replica(run, _replica_node(), storage, full_every=policy.full_every,
-                                        max_lag=config.max_replica_lag)
-        where = ray.get(replica.ping.remote())
-        me = ray.get_runtime_context().get_node_id()
-        if where == me and any(n.get("Alive") and n["NodeID"] != me for n in ray.nodes()):
-            log.warning("ray_ckpt: the state-tier replica of run %r runs on the trainer's node %s (its peer was "
-                        "unavailable when it was placed): losing this node loses the replica too; restores then "
-                        "use the durable chain", run, me[:8])
+        replica = _place_replica(run, storage, full_every=policy.full_every, max_lag=config.max_replica_lag)
     sink = RaySink(run, storage, impl, generation, config=config, info=info, replica=replica is not None)
     return run, generation, policy, sink
+
+
+def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts: int = 3):
+    """The run's replica handle, on a peer node when one is alive. Training process (rank 0), at attach.
+
+    Soft node affinity may put a new replica on this node even though the peer is alive (seen on a loaded
+    2-core cluster right after nodes joined or left); a replica there dies with the trainer's node, so a replica
+    this call has just created (it holds no state yet) is re-placed, up to ``attempts`` times, before a WARNING
+    says where it stayed. An existing replica is never moved: it may hold the live state."""
+    from ray_ckpt.runtime.replica import get_or_create_replica
+    me = ray.get_runtime_context().get_node_id()
+    for attempt in range(attempts):
+        target = _replica_node()
+        replica, created = get_or_create_replica(run, target, storage, full_every=full_every, max_lag=max_lag)
+        where = ray.get(replica.ping.remote())
+        peers = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != me]
+        if where != me or not peers:
+            return replica
+        if not created or attempt == attempts - 1:
+            break
+        log.info("ray_ckpt: replica of run %r landed on the trainer's node %s instead of %s; placing it again",
+                 run, me[:8], target[:8])
+        ray.kill(replica, no_restart=True)
+        _wait_name_free(naming.replica_name(run))
+    log.warning("ray_ckpt: the state-tier replica of run %r runs on the trainer's node %s (its peer was "
+                "unavailable when it was placed): losing this node loses the replica too; restores then "
+                "use the durable chain", run, me[:8])
+    return replica
+
+
+def _wait_name_free(name: str, timeout: float = 10.0) -> None:
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=naming.NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
 
 
 def _replica_node() -> str:
@@ -75,6 +106,21 @@ def coordinator(storage, run: str | None = None):
         return ray.get_actor(naming.coordinator_name(run_name(storage, run)), namespace=naming.NAMESPACE)
     except ValueError:
         return None
+
+
+def resolve_step(storage, step: int | None, *, run: str | None = None, timeout: float = 60.0,
+                 use_coordinator: bool = True) -> int:
+    """The step a restore of ``step`` (None = latest recoverable) reads, as the run's coordinator plans it (from
+    storage alone when the run has no coordinator, or ``use_coordinator=False``). Raises NoCheckpointError.
+    Any process."""
+    coord = coordinator(storage, run) if use_coordinator and ray.is_initialized() else None
+    if coord is None:
+        lineage, _ = load_lineage(storage)
+        return lineage.resolve(step).step
+    plan = ray.get(coord.plan.remote(step), timeout=timeout)
+    if "error" in plan:
+        raise NoCheckpointError(plan["error"])
+    return plan["step"]
 
 
 def load_via_coordinator(storage, step: int | None, *, run: str | None = None,

@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_ckpt.engine.restore import load_lineage
 from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError
@@ -39,6 +38,7 @@ from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
 from ray_ckpt.lineage import index as _lineage_index  # [lineage index #14]
 from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.placement import prefer_node
 
 log = logging.getLogger("ray_ckpt")
 
@@ -389,8 +389,10 @@ class Coordinator:
         each the object references of live holders (memory tier; empty = read from durable storage).
 
         Objects held in memory are preferred (a chain of memory objects when one reaches the step). When the
-        state-tier replica is usable and the step is the latest, ``replica`` names the step whose state the
-        replica can hand over: the restore then reads only the records after it."""
+        state-tier replica is usable and its state lies in the plan's chain (at or after the full, at or before
+        the step: the latest, or a step named explicitly, e.g. the one the ranks of a group agreed on),
+        ``replica`` names the step whose state the replica can hand over: the restore then reads only the
+        records after it (the client checks again that the snapshot it gets lies in that range)."""
         self._forget_dead_nodes()
         alive = self._alive_nodes()
         p = None
@@ -419,7 +421,7 @@ class Coordinator:
         if self.replica is None:
             self._ask_replica()
         r = self.replica
-        if step is None and self._replica_usable(p.generation) and p.full.last_step <= r.step <= p.step:
+        if self._replica_usable(p.generation) and p.full.last_step <= r.step <= p.step:
             out["replica"] = {"step": r.step, "node": r.node}
         return out
 
@@ -502,13 +504,13 @@ def _runs(steps: list[int]) -> list[tuple[int, int]]:
 
 
 def _head_node_affinity():
-    """Prefer the head node (soft): it lives as long as the cluster, so losing a worker node (the usual failure)
+    """Options preferring the head node (soft): it lives as long as the cluster, so losing a worker node (the usual failure)
     does not also restart the coordinator and drop what it knows only in memory (holders, the replica's
     progress). Falls back to Ray's default placement when the head is unknown or full."""
     for n in ray.nodes():
         if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {}):
-            return NodeAffinitySchedulingStrategy(n["NodeID"], soft=True)
-    return "DEFAULT"
+            return prefer_node(n["NodeID"])
+    return {}
 
 
 def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int, keep_fulls: int = 0,
@@ -524,7 +526,7 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
         _remote_cls = ray.remote(Coordinator)
     return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
                        max_restarts=-1, max_task_retries=-1, num_cpus=0,
-                       scheduling_strategy=_head_node_affinity()).remote(run, storage, full_every,
+                       **_head_node_affinity()).remote(run, storage, full_every,
                                                                                batch_steps, keep_fulls,
                                                                                max_replica_lag, policy_options)
 

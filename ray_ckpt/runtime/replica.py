@@ -244,17 +244,17 @@ _remote_cls = None
 
 
 def get_or_create_replica(run: str, node_id: str, storage, *, full_every: int, max_lag: int):
-    """The run's replica actor (created on ``node_id``, soft affinity, if missing). Any process."""
+    """``(handle, created)``: the run's replica actor, created on ``node_id`` (soft affinity) if missing; ``created``
+    says whether this call created it. Any process."""
     global _remote_cls
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray_ckpt.runtime.placement import prefer_node
     name = naming.replica_name(run)
     try:
-        return ray.get_actor(name, namespace=naming.NAMESPACE)
+        return ray.get_actor(name, namespace=naming.NAMESPACE), False
     except ValueError:
         pass
     if _remote_cls is None:
         _remote_cls = ray.remote(ReplicaActor)
     return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
                                max_restarts=-1, max_task_retries=-1, max_concurrency=4, num_cpus=0,
-                               scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True)
-                               ).remote(run, storage, full_every, max_lag)
+                               **prefer_node(node_id)).remote(run, storage, full_every, max_lag), True
