@@ -11,6 +11,7 @@ Public API (everything else is private and may change):
 from ray_ckpt.config import Amber, CheckpointConfig, LowDiff
 from ray_ckpt.api import Checkpointer, restore
 from ray_ckpt.engine import amber as _amber  # noqa: F401  (registers the Amber strategy)
+from ray_ckpt.engine import rankloop as _rankloop  # noqa: F401  (registers per-rank loop-state objects)
 from ray_ckpt.engine.writer import WriterError
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.lineage import ManifestError, NoCheckpointError

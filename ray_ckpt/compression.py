@@ -7,6 +7,7 @@ See :mod:`ray_ckpt.integrations.compression` for the call order and the determin
 from ray_ckpt.integrations.compression import (
     DEFAULT_SAMPLE_SIZE,
     Int8State,
+    ResidualState,
     TopKState,
     int8_hook,
     select_topk,
@@ -17,6 +18,7 @@ from ray_ckpt.integrations.compression import (
 __all__ = [
     "DEFAULT_SAMPLE_SIZE",
     "Int8State",
+    "ResidualState",
     "TopKState",
     "int8_hook",
     "select_topk",

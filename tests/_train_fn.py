@@ -29,10 +29,10 @@ def train_loop(config: dict) -> None:
     sched = T.make_scheduler(opt, total=steps)
     session = ray_ckpt.train.attach(net, opt, scheduler=sched, full_every=10, batch_steps=4, report_every=10)
     attempt = f"{int(time.time() * 1000)}-{os.getpid()}"
-    if rank == 0:
-        torch.save({"step": session.start_step, "world": world, "restored": session.restored,
-                    "restore_seconds": session.restore_seconds, "state": T.snapshot(model, opt, sched)},
-                   os.path.join(out, f"start-{attempt}.pt"))
+    # every rank records what it restored (and, below, where it ended): the tests compare each rank's state
+    torch.save({"step": session.start_step, "world": world, "rank": rank, "restored": session.restored,
+                "restore_seconds": session.restore_seconds, "state": T.snapshot(model, opt, sched)},
+               os.path.join(out, f"start-{attempt}.pt"))
     for s in range(session.start_step, steps):
         if s == config.get("kill_at") and rank == config.get("kill_rank", 1):
             marker = os.path.join(out, "killed")
@@ -49,6 +49,72 @@ def train_loop(config: dict) -> None:
         if config.get("step_sleep"):
             time.sleep(config["step_sleep"])
     session.close()
-    if rank == 0:
-        torch.save({"step": steps, "world": world, "state": T.snapshot(model, opt, sched)},
-                   os.path.join(out, f"final-{attempt}.pt"))
+    torch.save({"step": steps, "world": world, "rank": rank, "state": T.snapshot(model, opt, sched)},
+               os.path.join(out, f"final-{attempt}.pt"))
+
+
+class _Position:
+    """The loop's data position (extra state): the iteration to run next."""
+
+    def __init__(self):
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, d):
+        self.pos = int(d["pos"])
+
+
+def continuation_loop(config: dict) -> None:
+    """The product's promise in one loop (issue #13): DDP on 2 ranks, top-k with error feedback, dropout, batches
+    sampled with each rank's global RNG, a scheduler, a CPU GradScaler with skipped iterations; the iteration
+    counter is the data position (extra state), so skipped iterations are resumed too. Writes each rank's
+    complete final state (model, optimizer, scheduler, scaler, RNG, residuals, position)."""
+    import ray.train
+    import ray.train.torch
+
+    import ray_ckpt.train
+    from ray_ckpt import compression
+    from tests import _training as T
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    iters, out, skips = config["iters"], config["out"], set(config["skips"])
+    model = T.make_model("mlp_do")
+    torch.manual_seed(1000 + rank)                       # each rank's own streams from here on
+    net = ray.train.torch.prepare_model(model)
+    topk = compression.TopKState(ratio=0.05, error_feedback=True)
+    net.register_comm_hook(topk, compression.topk_hook)
+    opt = T.make_optimizer("adamw", model)
+    sched = T.make_scheduler(opt, total=iters)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    pos = _Position()
+    session = ray_ckpt.train.attach(net, opt, scheduler=sched, scaler=scaler, extra_state=pos,
+                                    compression_state=topk, full_every=10, batch_steps=4, report_every=10)
+    torch.save({"rank": rank, "step": session.start_step, "pos": pos.pos, "restored": session.restored},
+               os.path.join(out, f"start-{os.getpid()}-{time.time_ns()}.pt"))
+    while pos.pos < iters:
+        i = pos.pos
+        if i == config.get("kill_at") and rank == config.get("kill_rank", 1):
+            marker = os.path.join(out, "killed")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        pos.pos += 1
+        loss = T.loss_fn("mlp_do", net, T.sample_batch("mlp_do", rank))
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if i in skips:                                   # an overflow after the all-reduce: every rank skips
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        time.sleep(config.get("step_sleep", 0.0))
+    session.close()
+    residuals = compression.ResidualState(topk, net).state_dict()["residuals"]
+    torch.save({"rank": rank, "world": world, "state": T.snapshot(model, opt, sched),
+                "scaler": scaler.state_dict(), "rng": torch.get_rng_state(), "pos": pos.pos,
+                "residuals": {k: v.clone() for k, v in residuals.items()}},
+               os.path.join(out, f"final-{rank}.pt"))

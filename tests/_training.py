@@ -12,15 +12,16 @@ import torch.nn.functional as F
 
 
 class MLP(nn.Module):
-    def __init__(self, d_in=32, hidden=64, d_out=8, batchnorm=False):
+    def __init__(self, d_in=32, hidden=64, d_out=8, batchnorm=False, dropout=0.0):
         super().__init__()
         self.fc1 = nn.Linear(d_in, hidden)
         self.bn = nn.BatchNorm1d(hidden) if batchnorm else nn.Identity()
         self.fc2 = nn.Linear(hidden, hidden)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.out = nn.Linear(hidden, d_out)
 
     def forward(self, x):
-        return self.out(F.gelu(self.fc2(F.gelu(self.bn(self.fc1(x))))))
+        return self.out(self.drop(F.gelu(self.fc2(F.gelu(self.bn(self.fc1(x)))))))
 
 
 class TinyGPT(nn.Module):
@@ -51,6 +52,8 @@ def make_model(kind: str, seed: int = 0) -> nn.Module:
         return MLP()
     if kind == "mlp_bn":
         return MLP(batchnorm=True)
+    if kind == "mlp_do":                      # dropout: exact only when the RNG is restored exactly
+        return MLP(dropout=0.3)
     if kind == "gpt":
         return TinyGPT()
     raise ValueError(kind)
@@ -90,11 +93,32 @@ def loss_fn(kind: str, model, xb):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def train_step(kind, model, opt, sched, step, rank=0, clip=1.0):
-    """One iteration of a typical loop; ``step`` is the 0-based index of the optimizer step being taken."""
-    torch.manual_seed(7919 * step + rank)  # per-step seeding (dropout-free models, but exercise the RNG path)
+DATASET = 512   # sample_batch draws indices into a fixed synthetic dataset of this many rows
+
+
+def sample_batch(kind: str, rank: int = 0, bs: int = 8):
+    """A batch whose rows are drawn with the *global* torch RNG (as a shuffling sampler does): a restored run
+    reads the same rows only when the RNG state was restored exactly."""
+    idx = torch.randint(0, DATASET, (bs,))
+    g = torch.Generator().manual_seed(4242 + rank)
+    if kind.startswith("mlp"):
+        xs, ys = torch.randn(DATASET, 32, generator=g), torch.randint(0, 8, (DATASET,), generator=g)
+        return xs[idx], ys[idx]
+    tokens = torch.randint(0, 256, (DATASET, 17), generator=g)[idx]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_step(kind, model, opt, sched, step, rank=0, clip=1.0, reseed=True):
+    """One iteration of a typical loop; ``step`` is the 0-based index of the optimizer step being taken.
+    ``reseed=False``: no per-step seeding; the batch is sampled with the global RNG (``sample_batch``) and
+    dropout draws from it too, so only an exactly restored RNG continues the run bit for bit."""
+    if reseed:
+        torch.manual_seed(7919 * step + rank)  # per-step seeding (exercises the RNG path only)
+        xb = batch(kind, step, rank)
+    else:
+        xb = sample_batch(kind, rank)
     opt.zero_grad(set_to_none=True)
-    loss = loss_fn(kind, model, batch(kind, step, rank))
+    loss = loss_fn(kind, model, xb)
     loss.backward()
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -91,3 +91,139 @@ def test_rank_0_failing_to_resolve_fails_every_rank(tmp_path):
     res = _run(tmp_path, [str(broken), str(a)])
     assert [r.get("error") for r in res] == ["RestoreError", "RestoreError"], res
     assert all("rank 0 could not resolve" in r["message"] for r in res), res
+
+
+# -- per-rank loop state (#13 item 1) ------------------------------------------------------------------------
+def _group_worker(rank, world, port, uri, out, start_fresh, until, abandon_rank1, ef="off"):  # noqa: C901
+    """A 2-rank DDP loop with dropout and RNG-driven sampling per rank: restore (agreed), attach (rank 0 the
+    Checkpointer, rank 1 its loop recorder), train to ``until``; write each rank's final state and RNG."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from ray_ckpt.integrations.ray_train import _record_rank_loop
+    T.init_dist(rank, world, port)
+    res = {}
+    try:
+        model = T.make_model("mlp_do")         # (seeds 0: the same initial weights on every rank)
+        torch.manual_seed(1000 + rank)           # then each rank's own streams
+        ddp = DDP(model)
+        opt = T.make_optimizer("adamw", model)
+        sch = T.make_scheduler(opt)
+        data = _Pos()
+        extra = data
+        if ef != "off":        # top-k with error feedback; "exact": its residuals are checkpointed per rank
+            from ray_ckpt import compression
+            topk = compression.TopKState(ratio=0.05, error_feedback=True)
+            ddp.register_comm_hook(topk, compression.topk_hook)
+            if ef == "exact":
+                extra = compression.ResidualState(topk, ddp, data)
+        storage = open_uri(uri)
+        start = 0
+        if not start_fresh:
+            torch.manual_seed(77 + rank)         # a fresh process: restore must bring the run's streams back
+            start, restored = agreed_restore(storage, ddp, opt, scheduler=sch, extra_state=extra, runtime="local")
+            res["start"] = start
+        ck = None
+        if rank == 0:
+            ck = ray_ckpt.Checkpointer(storage, model, opt, scheduler=sch, extra_state=extra, start_step=start,
+                                       full_every=5, batch_steps=4, policy="fixed")
+        rec = _record_rank_loop(storage, rank, ddp, opt, ck, start=start, extra_state=extra, full_every=5,
+                                batch_steps=4)
+        for s in range(start, until):
+            data.pos += 1
+            T.train_step("mlp_do", ddp, opt, sch, s, rank, reseed=False)
+        if ck is not None:
+            ck.close()
+        if rec is not None and not abandon_rank1:
+            rec.close()
+        res.update(step=until, pos=data.pos, rng=torch.get_rng_state().tolist()[:64], reset=data.reset,
+                   w=model.out.weight.detach().reshape(-1)[:8].tolist(),
+                   probe=torch.rand(4).tolist())
+    except Exception:  # noqa: BLE001
+        res = {"crash": traceback.format_exc()}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    if abandon_rank1 and rank == 1:
+        import os
+        os._exit(0)      # the process dies with its last batch of loop records unwritten
+
+
+class _Pos:
+    def __init__(self):
+        self.pos = 0
+        self.reset = False
+
+    def reset_for_new_rank(self):   # the user hook a rank new to the group gets
+        self.reset = True
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, d):
+        self.pos = d["pos"]
+
+
+def _group(tmp_path, uri, tag, start_fresh, until, abandon_rank1=False, ef="off", world=2):
+    out = str(tmp_path / tag)
+    mp.spawn(_group_worker, args=(world, T.free_port(), uri, out, start_fresh, until, abandon_rank1, ef),
+             nprocs=world, join=True)
+    res = [json.load(open(f"{out}.{r}")) for r in range(world)]
+    assert not any("crash" in r for r in res), res
+    return res
+
+
+def test_each_rank_continues_with_its_own_rng_and_extra_state(tmp_path):
+    ref = _group(tmp_path, str(tmp_path / "ref"), "ref", True, 23)
+    assert ref[0]["probe"] != ref[1]["probe"]          # the ranks' streams differ: per-rank state matters
+    uri = str(tmp_path / "ckpt")
+    _group(tmp_path, uri, "a", True, 13)
+    got = _group(tmp_path, uri, "b", False, 23)
+    assert [r["start"] for r in got] == [13, 13]
+    for r in range(2):
+        for key in ("pos", "rng", "w", "probe"):
+            assert got[r][key] == ref[r][key], f"rank {r}: {key} differs from the uninterrupted run"
+
+
+def test_a_rank_whose_last_loop_records_were_lost_pulls_the_group_back(tmp_path):
+    """Rank 1 dies with its last records unwritten (rank 0 made all 14 steps durable): every rank restores the
+    last step rank 1 recorded, and the continued run still equals the uninterrupted one on every rank."""
+    ref = _group(tmp_path, str(tmp_path / "ref"), "ref", True, 23)
+    uri = str(tmp_path / "ckpt")
+    _group(tmp_path, uri, "a", True, 14, abandon_rank1=True)
+    got = _group(tmp_path, uri, "b", False, 23)
+    starts = [r["start"] for r in got]
+    assert starts[0] == starts[1] and 5 <= starts[0] < 14, starts   # 5: rank 1's first loop-state full
+    for r in range(2):
+        for key in ("pos", "rng", "w", "probe"):
+            assert got[r][key] == ref[r][key], f"rank {r}: {key} differs from the uninterrupted run"
+
+
+def test_error_feedback_residuals_are_restored_per_rank(tmp_path):
+    """Top-k with error feedback: each rank's residual is part of its loop state (ResidualState), so the
+    continued run equals the uninterrupted one on every rank; without it, the same restore diverges."""
+    ref = _group(tmp_path, str(tmp_path / "ref"), "ref", True, 23, ef="exact")
+    _group(tmp_path, str(tmp_path / "c1"), "a", True, 13, ef="exact")
+    got = _group(tmp_path, str(tmp_path / "c1"), "b", False, 23, ef="exact")
+    assert [r["start"] for r in got] == [13, 13]
+    for r in range(2):
+        for key in ("pos", "rng", "w", "probe"):
+            assert got[r][key] == ref[r][key], f"rank {r}: {key} differs from the uninterrupted run"
+    # the control: residuals not checkpointed (restored as zeros) -> the weights diverge
+    _group(tmp_path, str(tmp_path / "c2"), "c", True, 13, ef="lossy")
+    lossy = _group(tmp_path, str(tmp_path / "c2"), "d", False, 23, ef="lossy")
+    assert lossy[0]["w"] != ref[0]["w"]
+
+
+def test_a_rank_new_to_the_group_derives_its_streams_deterministically(tmp_path):
+    """1 rank grows to 2: rank 1 has no loop state of its own; it keeps rank 0's extra state, runs the user's
+    reset_for_new_rank() hook, and derives RNG streams that differ from rank 0's and are the same at every
+    restore of the same checkpoint."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _group(tmp_path, str(a), "one", True, 10, world=1)
+    shutil.copytree(a, b)
+    first = _group(tmp_path, str(a), "x", False, 16)
+    second = _group(tmp_path, str(b), "y", False, 16)
+    assert [r["start"] for r in first] == [r["start"] for r in second] == [10, 10]
+    assert first[1]["reset"] and not first[0]["reset"]
+    assert first[1]["rng"] == second[1]["rng"] and first[1]["probe"] == second[1]["probe"]
+    assert first[1]["probe"] != first[0]["probe"]
+    assert first[0]["w"] == second[0]["w"]

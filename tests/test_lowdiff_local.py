@@ -9,7 +9,7 @@ from tests import _training as T
 
 
 def _run(tmp_path, kind="mlp", opt_kind="adamw", steps=60, full_every=25, batch_steps=7, sched=True, total=60,
-         **kw):
+         reseed=True, **kw):
     model = T.make_model(kind)
     opt = T.make_optimizer(opt_kind, model)
     sch = T.make_scheduler(opt, total=total) if sched else None
@@ -18,7 +18,7 @@ def _run(tmp_path, kind="mlp", opt_kind="adamw", steps=60, full_every=25, batch_
     with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=full_every,
                                batch_steps=batch_steps, **kw) as ck:
         for s in range(steps):
-            T.train_step(kind, model, opt, sch, s)
+            T.train_step(kind, model, opt, sch, s, reseed=reseed)
             live[s + 1] = T.snapshot(model, opt, sch)
         assert ck.step == steps
     return uri, live
@@ -44,23 +44,29 @@ def test_restore_bit_exact_at_every_kind_of_step(tmp_path, kind, opt_kind):
     T.assert_same(live[60], T.snapshot(model, opt, sch), "latest")
 
 
-def test_continue_after_restore_matches_uninterrupted(tmp_path):
-    _, live = _run(tmp_path / "ref", "gpt")
-    # interrupted run: 37 steps, then a fresh process-like restore and 23 more steps
-    uri, _ = _run(tmp_path / "a", "gpt", steps=37)
-    model2 = T.make_model("gpt", seed=5)
+@pytest.mark.parametrize("kind,stop", [("gpt", 37), ("mlp_do", 37), ("mlp_do", 25), ("mlp_do", 50)])
+def test_continue_after_restore_matches_uninterrupted(tmp_path, kind, stop):
+    """No per-step reseeding: batches are sampled with the global RNG and (mlp_do) dropout draws from it, so the
+    continued run matches only if model, optimizer, scheduler *and* RNG were restored exactly. Stops inside a
+    diff batch (37), at a full (25) and right after a full's batch closed (50)."""
+    torch.manual_seed(2024)
+    _, live = _run(tmp_path / "ref", kind, reseed=False)
+    torch.manual_seed(2024)
+    uri, _ = _run(tmp_path / "a", kind, steps=stop, reseed=False)
+    torch.manual_seed(999)           # a fresh process's RNG: restore must bring the run's back
+    model2 = T.make_model(kind, seed=5)
     opt2 = T.make_optimizer("adamw", model2)
     sch2 = T.make_scheduler(opt2, total=60)
-    assert ray_ckpt.restore(uri, model2, opt2, scheduler=sch2) == 37
+    assert ray_ckpt.restore(uri, model2, opt2, scheduler=sch2) == stop
     with ray_ckpt.Checkpointer(uri, model2, opt2, scheduler=sch2, full_every=25, batch_steps=7) as ck:
-        assert ck.step == 37  # numbering continues from the restored step
-        for s in range(37, 60):
-            T.train_step("gpt", model2, opt2, sch2, s)
+        assert ck.step == stop  # numbering continues from the restored step
+        for s in range(stop, 60):
+            T.train_step(kind, model2, opt2, sch2, s, reseed=False)
     T.assert_same(live[60], T.snapshot(model2, opt2, sch2), "continued run")
     # and the resumed generation is now the latest timeline, restorable at every step
-    got, m3, o3, s3 = _restore(uri, "gpt", "adamw", 45)
-    assert got == 45
-    T.assert_same(live[45], T.snapshot(m3, o3, s3), "step 45 of the resumed generation")
+    got, m3, o3, s3 = _restore(uri, kind, "adamw", 55)
+    assert got == 55
+    T.assert_same(live[55], T.snapshot(m3, o3, s3), "step 55 of the resumed generation")
 
 
 class _DataPos:

@@ -37,6 +37,31 @@ def _load(path):
     return torch.load(path, weights_only=True)
 
 
+def _records(out, kind):
+    """Every rank's start-/final- records of every attempt, sorted by (step, rank)."""
+    return sorted((_load(p) for p in glob.glob(str(out / f"{kind}-*.pt"))), key=lambda d: (d["step"], d["rank"]))
+
+
+def _assert_ranks_restored(resumed, reference, world, what):
+    """The ranks of one restart restored one step, and each rank's state is the reference's at that step."""
+    assert sorted(d["rank"] for d in resumed) == list(range(world)), [(d["rank"], d["step"]) for d in resumed]
+    steps = {d["step"] for d in resumed}
+    assert len(steps) == 1, f"{what}: ranks restored different steps {sorted(steps)}"
+    for d in resumed:
+        T.assert_same(reference[d["step"]], d["state"], f"{what}: rank {d['rank']} at step {d['step']}")
+    return steps.pop()
+
+
+def _assert_finals(out, reference, world, what, same_as_reference=True):
+    """Every rank ended at STEPS; with the reference's world size, in the reference's state (bitwise)."""
+    finals = _records(out, "final")
+    assert sorted(d["rank"] for d in finals) == list(range(world)), [d["rank"] for d in finals]
+    for d in finals:
+        assert d["step"] == STEPS and d["world"] == world
+        if same_as_reference:
+            T.assert_same(reference[STEPS], d["state"], f"{what}: final state of rank {d['rank']}")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, ray_cluster):  # noqa: F811
     """An uninterrupted 2-worker run with a snapshot after every step."""
@@ -52,13 +77,13 @@ def test_sigkilled_worker_resumes_bit_exact(tmp_path, reference):
                   {"kind": "mlp", "steps": STEPS, "out": str(out), "kill_at": 17,
                    "step_sleep": 0.1})  # ~0.1 s steps: the hand-off (ms) is far below a step, as in real jobs
     assert result.error is None
-    starts = sorted((_load(p) for p in glob.glob(str(out / "start-*.pt"))), key=lambda d: d["step"])
-    assert [d["restored"] for d in starts] == [False, True]
-    resumed = starts[1]["step"]
-    assert 16 <= resumed <= 17  # the kill came before step 18's optimizer.step: at most one step lost
-    T.assert_same(reference[resumed], starts[1]["state"], f"restored step {resumed}")
-    final = _load(glob.glob(str(out / "final-*.pt"))[0])
-    T.assert_same(reference[STEPS], final["state"], "final state after the failure")
+    starts = _records(out, "start")
+    assert [d["restored"] for d in starts if d["rank"] == 0] == [False, True]
+    resumed = _assert_ranks_restored([d for d in starts if d["restored"]], reference, 2, "after the kill")
+    # the kill came before step 18's optimizer.step; rank 1 (the killed one) writes its own loop state in batches
+    # of batch_steps=4, so the group may go back to the last step it recorded: at most 4 steps before 17
+    assert 13 <= resumed <= 17, resumed
+    _assert_finals(out, reference, 2, "after the failure")
     pointer = ray_ckpt.train.read_pointer(result.checkpoint)
     assert pointer["step"] == STEPS and pointer["storage_uri"].endswith("ckpt")
 
@@ -125,14 +150,11 @@ def test_node_removed_elastic_run_continues_from_exact_step(tmp_path, reference,
     ray_cluster.remove_node(nodes[0])
     assert result.error is None, result.error
     assert "at" in removed, ("the run never reached step 12 with 2 workers", _progress(out), sorted(os.listdir(out)))
-    starts = sorted((_load(p) for p in glob.glob(str(out / "start-*.pt"))), key=lambda d: d["step"])
-    resumed = [d for d in starts if d["restored"]]
-    assert resumed and resumed[0]["world"] == 1  # continued on the remaining node
-    step = resumed[0]["step"]
+    resumed = [d for d in _records(out, "start") if d["restored"]]
+    assert resumed and all(d["world"] == 1 for d in resumed)  # continued on the remaining node
+    step = _assert_ranks_restored(resumed, reference, 1, "elastic resume")
     assert removed["at"] - 2 <= step <= removed["at"]
-    T.assert_same(reference[step], resumed[0]["state"], f"elastic resume at step {step}")
-    final = _load(glob.glob(str(out / "final-*.pt"))[0])
-    assert final["step"] == STEPS and final["world"] == 1
+    _assert_finals(out, reference, 1, "elastic run", same_as_reference=False)  # 1 worker after the resize
 
 
 def test_restarted_driver_resumes_from_lineage(tmp_path, reference, ray_cluster):  # noqa: F811
@@ -153,9 +175,7 @@ def test_restarted_driver_resumes_from_lineage(tmp_path, reference, ray_cluster)
     assert seen >= 12
     second = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert "DONE None" in second.stdout, second.stdout[-3000:]
-    starts = sorted((_load(p) for p in glob.glob(str(out / "start-*.pt"))), key=lambda d: d["step"])
-    resumed = [d for d in starts if d["restored"]]
-    assert len(resumed) == 1 and seen - 2 <= resumed[0]["step"] <= seen + 1
-    T.assert_same(reference[resumed[0]["step"]], resumed[0]["state"], "after driver restart")
-    final = _load(glob.glob(str(out / "final-*.pt"))[0])
-    T.assert_same(reference[STEPS], final["state"], "final state after driver restart")
+    resumed = [d for d in _records(out, "start") if d["restored"]]
+    step = _assert_ranks_restored(resumed, reference, 2, "after driver restart")
+    assert seen - 6 <= step <= seen + 1, (seen, step)   # rank 1's loop state is written in batches of 4
+    _assert_finals(out, reference, 2, "after driver restart")

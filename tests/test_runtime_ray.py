@@ -96,9 +96,11 @@ def test_killed_worker_comes_back_and_lineage_stays_consistent(run_env):
     st = ray.get(_coord(run).status.remote())
     assert st["durable_step"] == 30 and st["recoverable_step"] == 30
     assert ray.get(_worker(run, node).ping.remote()) == node  # restarted, same name, same node
-    m, o, sc = _fresh()
-    assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == 30
-    T.assert_same(_reference(30), T.snapshot(m, o, sc), "after worker kill")
+    # steps around the kill, inside diff batches, not only the fulls (10, 20, 30)
+    for s in [9, 11, 12, 13, 15, 17, 19, 21, 26, 29, 30]:
+        m, o, sc = _fresh()
+        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime="ray", run=run) == s
+        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"step {s} after worker kill")
     assert ck.stats()["stall_seconds"] < time.perf_counter() - t0
 
 
@@ -106,8 +108,7 @@ def test_killed_coordinator_rebuilds_lineage(run_env):
     run, uri = run_env
 
     def during(step, ck):
-        if step == 15:
-            ck.flush()
+        if step == 15:   # no flush first: steps in flight when it dies must reach the restarted coordinator
             ray.kill(_coord(run), no_restart=False)
 
     ck, *_ = _train(uri, run, 25, during=during)
@@ -115,7 +116,7 @@ def test_killed_coordinator_rebuilds_lineage(run_env):
     st = ray.get(_coord(run).status.remote())
     assert st["durable_step"] == 25 and st["recoverable_step"] == 25
     assert st["started_at"] > 0 and st["generation"] == 1
-    for s in [5, 15, 25]:  # steps from before and after the restart
+    for s in [5, 11, 13, 14, 15, 16, 18, 25]:  # steps from before, around and after the restart
         m, o, sc = _fresh()
         assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime="ray", run=run) == s
         T.assert_same(_reference(s), T.snapshot(m, o, sc), f"step {s}")

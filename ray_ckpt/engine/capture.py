@@ -151,16 +151,25 @@ def rng_state() -> dict:
                                                                      gauss),
                           "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+        # the generator of the device this process trains on, not of every visible GPU: another rank (or the
+        # same rank after a restart) may see a different number of devices
+        st["cuda"] = {"state": torch.cuda.get_rng_state(torch.cuda.current_device())}
     return st
 
 
 def set_rng_state(st: dict) -> None:
+    """Install RNG states taken by :func:`rng_state` (training thread). The CUDA state goes to this process's
+    current device; a checkpoint without one leaves the CUDA generators alone."""
     torch.set_rng_state(st["torch"])
     random.setstate(_as_python_random_state(st["python"]))
     np.random.set_state(st["numpy"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+    cuda = st.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, dict):
+            torch.cuda.set_rng_state(cuda["state"], torch.cuda.current_device())
+        else:  # written by an earlier version: one state per device visible to the capturing process
+            for i, s in enumerate(list(cuda)[:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, i)
 
 
 def _as_python_random_state(s: Any) -> tuple:

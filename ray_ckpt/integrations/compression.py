@@ -53,6 +53,7 @@ from ray_ckpt.engine import support
 __all__ = [
     "DEFAULT_SAMPLE_SIZE",
     "Int8State",
+    "ResidualState",
     "TopKState",
     "int8_hook",
     "select_topk",
@@ -338,7 +339,8 @@ class TopKState:
         error_feedback: keep, per parameter, the part of the local (gradient + residual) that this rank did not
             send, and add it to the next step's gradient (the standard residual of top-k SGD). Costs one
             buffer of the gradient's size per parameter. The residual belongs to the parameter, not to a
-            bucket, so it survives DDP's bucket rebuild (after the first iteration); it is not checkpointed.
+            bucket, so it survives DDP's bucket rebuild (after the first iteration). Residuals are per rank and
+            are checkpointed only through :class:`ResidualState` (a dense copy per step and rank).
         sampled: estimate each parameter's local selection threshold from a sample (see :func:`select_topk`)
             instead of an exact ``torch.topk`` over it.
         sample_size: the largest sample per parameter; a parameter of ``n`` elements samples
@@ -398,6 +400,67 @@ class TopKState:
                 tensor = torch.zeros_like(grad)
                 self._residuals[id(param)] = (weakref.ref(param), tensor)
         return tensor
+
+
+class ResidualState:
+    """The error-feedback residuals of a :class:`TopKState` as loop state to checkpoint, optionally bundled with
+    the loop's own ``extra`` state: pass it as ``extra_state`` (``Checkpointer``/``restore``; ``attach`` builds
+    it when given ``compression_state=``). Training process.
+
+    Residuals are per rank: each rank's are captured with its own loop state (rank 0 in the main lineage, other
+    ranks in theirs, see :mod:`ray_ckpt.engine.rankloop`) and restored to it, so a restored run compresses
+    exactly like the uninterrupted one. The price: one dense copy of the residuals (the size of the gradients)
+    per step and rank, written with each step's record. ``state_dict()`` keys residuals by parameter name
+    (``model.named_parameters()``); a parameter without a residual yet is absent."""
+
+    def __init__(self, state: TopKState, model: torch.nn.Module, extra=None):
+        if not isinstance(state, TopKState):
+            raise TypeError(f"state must be a TopKState, got {type(state).__name__}")
+        if not state.error_feedback:
+            raise ValueError("this TopKState has error_feedback=False: it keeps no residuals to checkpoint")
+        if extra is not None and not (callable(getattr(extra, "state_dict", None))
+                                      and callable(getattr(extra, "load_state_dict", None))):
+            raise TypeError(f"extra must have state_dict() and load_state_dict(), got {type(extra).__name__}")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        self.state, self.extra = state, extra
+        self._params = dict(model.named_parameters())
+
+    def state_dict(self) -> dict:
+        residuals = {}
+        for name, p in self._params.items():
+            r = self.state.residual(p)
+            if r is not None:
+                residuals[name] = r
+        return {"residuals": residuals, "extra": None if self.extra is None else self.extra.state_dict()}
+
+    def reset_for_new_rank(self) -> None:
+        """A rank that joined the group (elastic growth) owes nothing yet: its residuals start at zero, and the
+        bundled extra state's own ``reset_for_new_rank()`` runs when it has one."""
+        with self.state._lock:
+            self.state._residuals.clear()
+        hook = getattr(self.extra, "reset_for_new_rank", None)
+        if callable(hook):
+            hook()
+
+    def load_state_dict(self, sd: dict) -> None:
+        residuals = sd["residuals"]
+        unknown = set(residuals) - set(self._params)
+        if unknown:
+            raise ValueError(f"residuals for parameters this model does not have: {sorted(unknown)[:5]}")
+        with self.state._lock:
+            self.state._residuals.clear()
+            for name, r in residuals.items():
+                p = self._params[name]
+                if r.numel() != p.numel():
+                    raise ValueError(f"residual of {name} has {r.numel()} elements, the parameter {p.numel()}")
+                self.state._residuals[id(p)] = (weakref.ref(p),
+                                                r.detach().reshape(-1).to(device=p.device, dtype=p.dtype,
+                                                                          copy=True))
+        if self.extra is not None:
+            if sd.get("extra") is None:
+                raise ValueError("the checkpoint holds no extra state for the bundled extra object")
+            self.extra.load_state_dict(sd["extra"])
 
 
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -154,6 +154,7 @@ class TrainSession:
     world_rank: int
     checkpointer: Checkpointer | None   #: rank 0 only: captures every optimizer step
     restore_seconds: float = 0.0
+    loop_recorder: Any = None           #: ranks > 0 of a group: records this rank's RNG and extra state
     _hooks: list = field(default_factory=list)
     _closed: bool = False
 
@@ -164,8 +165,12 @@ class TrainSession:
         self._closed = True
         for h in self._hooks:
             h.remove()
-        if self.checkpointer is not None:
-            self.checkpointer.close(timeout)
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close(timeout)
+        finally:
+            if self.loop_recorder is not None:
+                self.loop_recorder.close(timeout)
 
     def __enter__(self) -> "TrainSession":
         return self
@@ -178,7 +183,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
            strategy: Any = None, extra_state: Any = None, scaler: Any = None,
            storage_uri: str | os.PathLike | None = None, storage_options: dict | None = None,
            run: str | None = None, report_every: int | None = None, full_every: int | None = None,
-           batch_steps: int | None = None) -> TrainSession:
+           batch_steps: int | None = None, compression_state: Any = None) -> TrainSession:
     """Attach ray_ckpt inside ``train_loop_per_worker``; call on every worker after building (and wrapping)
     the model and optimizer. Runs in the Ray Train worker process.
 
@@ -192,8 +197,15 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     ``report_every`` steps (default: ``full_every``; 0 disables) so ``Result.checkpoint`` names the lineage head.
 
     The storage comes from :class:`RayCkptCallback` (via the run's coordinator) unless ``storage_uri`` is given.
-    The RNG state restored on every rank is world rank 0's; seed per step and rank for exact dropout.
+    Every rank gets its own RNG and extra state back: ranks > 0 record theirs next to the lineage (see
+    :mod:`ray_ckpt.engine.rankloop`). ``compression_state``: the :class:`~ray_ckpt.compression.TopKState` of the
+    DDP comm hook; with ``error_feedback=True`` each rank's residuals are checkpointed with its loop state
+    (:class:`~ray_ckpt.compression.ResidualState`: a dense copy per step and rank), so compression after a
+    restore matches the uninterrupted run.
     """
+    if compression_state is not None and getattr(compression_state, "error_feedback", False):
+        from ray_ckpt.integrations.compression import ResidualState
+        extra_state = ResidualState(compression_state, model, extra_state)
     ctx = ray.train.get_context()
     run = run or ctx.get_experiment_name()
     rank = ctx.get_world_rank()
@@ -214,9 +226,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
                           strategy=strategy, extra_state=extra_state, scaler=scaler,
                           start_step=start, runtime="ray", run=run,
                           full_every=policy.full_every, batch_steps=policy.batch_steps)
+    recorder = _record_rank_loop(storage, rank, model, optimizer, ck, start=start, extra_state=extra_state,
+                                 full_every=policy.full_every, batch_steps=policy.batch_steps)
     session = TrainSession(start_step=start, restored=restored, run=run,
                            storage_uri=storage.describe(), world_rank=rank, checkpointer=ck,
-                           restore_seconds=restore_seconds)
+                           restore_seconds=restore_seconds, loop_recorder=recorder)
     every = policy.full_every if report_every is None else report_every
     if every:
         session._hooks.append(_install_pointer_reports(optimizer, session, start, every))
@@ -232,14 +246,22 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
     """Restore every rank of the process group to **one** step; returns ``(step, restored)``. Runs in each
     training process (every rank calls it; it is collective when ``torch.distributed`` is initialized).
 
-    World rank 0 resolves the latest recoverable step once (the coordinator's plan) and broadcasts it; every
-    rank restores exactly that step (so a commit landing while the ranks resolve cannot split them across two
-    steps); then the ranks exchange their outcome, and when any rank failed, every rank raises
-    :class:`RestoreError` naming the failed ranks (a group never trains from mixed states). A run without a
-    lineage starts from scratch on every rank: ``(0, False)``. Without a process group (or a group of one)
-    this is a plain :func:`ray_ckpt.restore` of the latest step. ``runtime`` as in :func:`ray_ckpt.restore`
-    (``"local"``: storage only, no Ray needed)."""
+    World rank 0 resolves the latest recoverable step of the main lineage once; every other rank says up to
+    which step it has recorded its own loop state (RNG, extra state; :mod:`ray_ckpt.engine.rankloop`) for that
+    generation; the step restored is the smallest of these, the same on every rank (so neither a commit landing
+    while the ranks resolve nor a rank whose last records were lost can split the group across steps). Every
+    rank restores model, optimizer, scheduler and scaler of that step from the main lineage, then its *own*
+    RNG and extra state from its rank lineage; a rank that was not part of the saved world keeps rank 0's extra
+    state (then calls ``extra_state.reset_for_new_rank()`` when it has one: the user's hook to adapt it, e.g. to
+    a new data shard) and derives its RNG from rank 0's and its rank (:func:`~ray_ckpt.engine.rankloop.
+    derive_rng`, logged).
+    The ranks then exchange their outcome: when any rank failed, every rank raises :class:`RestoreError`
+    naming the failed ranks (a group never trains from mixed states). A run without a lineage starts from
+    scratch on every rank: ``(0, False)``. Without a process group (or a group of one) this is a plain
+    :func:`ray_ckpt.restore` of the latest step. ``runtime`` as in :func:`ray_ckpt.restore` (``"local"``:
+    storage only, no Ray needed)."""
     import torch.distributed as dist
+    from ray_ckpt.engine import rankloop
     from ray_ckpt.runtime.client import resolve_step
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not group:
@@ -249,37 +271,85 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
         except NoCheckpointError as e:
             log.info("ray_ckpt: run %r starts from scratch (%s)", run, e)
             return 0, False
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     decision: list = [None]
     if rank == 0:
         try:
-            decision[0] = ("step", resolve_step(storage, None, run=run, use_coordinator=runtime == "ray"))
+            decision[0] = ("step", *resolve_step(storage, None, run=run, use_coordinator=runtime == "ray"))
         except NoCheckpointError as e:
-            decision[0] = ("fresh", str(e))
+            decision[0] = ("fresh", str(e), None)
         except Exception as e:  # noqa: BLE001 - told to every rank below, then raised there
-            decision[0] = ("error", f"{type(e).__name__}: {e}")
+            decision[0] = ("error", f"{type(e).__name__}: {e}", None)
     dist.broadcast_object_list(decision, src=0)
-    kind, value = decision[0]
+    kind, value, generation = decision[0]
     if kind == "error":
         raise RestoreError(f"rank 0 could not resolve the step to restore: {value}")
     if kind == "fresh":
         log.info("ray_ckpt: run %r starts from scratch (%s)", run, value)
         return 0, False
+    head = None
+    if rank > 0:
+        try:
+            head = ("ok", rankloop.rank_loop_head(storage, rank, generation))
+        except Exception as e:  # noqa: BLE001
+            head = ("error", f"{type(e).__name__}: {e}")
+    heads: list = [None] * world
+    dist.all_gather_object(heads, head)
+    bad = {r: h[1] for r, h in enumerate(heads) if h is not None and h[0] == "error"}
+    if bad:
+        raise RestoreError("could not read the loop state of rank(s) "
+                           + "; ".join(f"{r}: {e}" for r, e in sorted(bad.items())))
+    recorded = [h[1] for h in heads if h is not None and h[1] is not None]
+    step = min([value, *recorded])
+    if step != value:
+        log.warning("ray_ckpt: restoring step %d, not the latest %d: a rank recorded its loop state only up to "
+                    "step %d", step, value, step)
     error = None
     try:
         got = restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state, scaler=scaler,
-                      step=value, runtime=runtime, run=run)
-        if got != value:
-            error = f"restored step {got} instead of {value}"
+                      step=step, runtime=runtime, run=run)
+        if got != step:
+            error = f"restored step {got} instead of {step}"
+        elif rank > 0 and heads[rank][1] is not None:
+            rankloop.apply_rank_loop(rankloop.load_rank_loop(storage, rank, generation, step),
+                                     extra_state=extra_state)
+        elif rank > 0:
+            seed = rankloop.derive_rng(rank)
+            hook = getattr(extra_state, "reset_for_new_rank", None)
+            if callable(hook):
+                hook()
+            log.info("ray_ckpt: rank %d has no loop state of its own in generation %d (it was not part of the "
+                     "saved world): extra state is rank 0's%s, RNG derived from rank 0's (seed %d)", rank,
+                     generation, " (then reset_for_new_rank())" if callable(hook) else "", seed)
     except Exception as e:  # noqa: BLE001 - exchanged with the other ranks, then raised on all
         error = f"{type(e).__name__}: {e}"
-    outcomes: list = [None] * dist.get_world_size()
+    outcomes: list = [None] * world
     dist.all_gather_object(outcomes, error)
     failed = {r: e for r, e in enumerate(outcomes) if e is not None}
     if failed:
-        raise RestoreError(f"restore of step {value} failed on rank(s) {sorted(failed)}: "
+        raise RestoreError(f"restore of step {step} failed on rank(s) {sorted(failed)}: "
                            + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
-    return value, True
+    return step, True
+
+
+def _record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state, full_every, batch_steps):
+    """Ranks > 0 of a process group record their own loop state, tagged with rank 0's generation (broadcast:
+    collective). None on rank 0 and without a group. Training process."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    from ray_ckpt.engine.rankloop import RankLoopRecorder
+    gen = [ck.generation if ck is not None else None]
+    dist.broadcast_object_list(gen, src=0)
+    if rank == 0:
+        return None
+    return RankLoopRecorder(storage, rank, _unwrap_ddp(model), optimizer, main_generation=gen[0],
+                            start_step=start, extra_state=extra_state, full_every=full_every,
+                            batch_steps=batch_steps)
+
+
+def _unwrap_ddp(model):
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _resolve_storage(run: str, storage_uri, storage_options):

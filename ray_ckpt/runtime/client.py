@@ -109,18 +109,19 @@ def coordinator(storage, run: str | None = None):
 
 
 def resolve_step(storage, step: int | None, *, run: str | None = None, timeout: float = 60.0,
-                 use_coordinator: bool = True) -> int:
-    """The step a restore of ``step`` (None = latest recoverable) reads, as the run's coordinator plans it (from
-    storage alone when the run has no coordinator, or ``use_coordinator=False``). Raises NoCheckpointError.
-    Any process."""
+                 use_coordinator: bool = True) -> tuple[int, int]:
+    """``(step, generation)`` a restore of ``step`` (None = latest recoverable) reads, as the run's coordinator
+    plans it (from storage alone when the run has no coordinator, or ``use_coordinator=False``). Raises
+    NoCheckpointError. Any process."""
     coord = coordinator(storage, run) if use_coordinator and ray.is_initialized() else None
     if coord is None:
         lineage, _ = load_lineage(storage)
-        return lineage.resolve(step).step
+        plan = lineage.resolve(step)
+        return plan.step, plan.generation
     plan = ray.get(coord.plan.remote(step), timeout=timeout)
     if "error" in plan:
         raise NoCheckpointError(plan["error"])
-    return plan["step"]
+    return plan["step"], plan["generation"]
 
 
 def load_via_coordinator(storage, step: int | None, *, run: str | None = None,

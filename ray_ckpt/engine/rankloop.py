@@ -1,0 +1,187 @@
+"""Per-rank loop state: each rank's RNG states and ``extra_state``, step by step, next to the run's lineage.
+
+Model and optimizer state are replicated across data-parallel ranks, so world rank 0's lineage holds them once.
+What is *not* replicated is each rank's loop state: its RNG streams (dropout masks, the shuffling sampler) and its
+``extra_state`` (its data position). Every rank other than 0 records its own, with the same capture machinery
+(:class:`LoopCapture`: a record per optimizer step, taken in the post-step hook, a copy of a few KB) into its own
+small lineage below ``<root>/ranks/<rank>/``, written by a writer thread of that rank (:class:`RankLoopRecorder`).
+
+Each rank lineage generation is tagged with the *main* generation (rank 0's attach) it belongs to, so a restore
+only uses loop state recorded alongside the main chain it restores. The rules at a restore (see
+:func:`ray_ckpt.train.agreed_restore`):
+
+* the step restored on every rank is at most the last step every rank of that generation has recorded;
+* a rank with a record of that step gets its own RNG and extra state back, bitwise;
+* a rank that has none (it was not part of the saved world: the group grew) keeps rank 0's extra state and
+  derives its RNG streams deterministically from rank 0's restored state and its rank (:func:`derive_rng`).
+
+Where calls run: :class:`RankLoopRecorder` and :func:`apply_rank_loop` in the rank's training process (the
+writer in its thread); :func:`rank_loop_head` and :func:`load_rank_loop` in any process.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ray_ckpt.engine.capture import CaptureBase, set_rng_state
+from ray_ckpt.engine.restore import load_chain, load_lineage
+from ray_ckpt.engine.strategy import LowDiffImpl, register
+from ray_ckpt.engine.writer import AsyncWriter
+from ray_ckpt.format.records import FullState, StepRecord
+from ray_ckpt.lineage import Lineage, NoCheckpointError
+from ray_ckpt.policy import FixedFrequencyPolicy
+from ray_ckpt.storage.prefixed import PrefixedStorage
+
+log = logging.getLogger("ray_ckpt")
+
+RANKS_DIR = "ranks/"
+MAIN_GENERATION = "main_generation"
+
+
+def rank_storage(storage, rank: int) -> PrefixedStorage:
+    """The view of ``storage`` holding rank ``rank``'s loop-state lineage."""
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank loop state is kept for ranks >= 1 (rank 0's is in the main lineage), got {rank!r}")
+    return PrefixedStorage(storage, f"{RANKS_DIR}{rank}/")
+
+
+@dataclass(frozen=True)
+class _LoopOnly:
+    """The strategy of a rank loop-state lineage (records hold loop state only; no gradients)."""
+
+    max_sparse_density: float = 0.0
+    capture_buffers: bool = False
+
+
+class LoopCapture(CaptureBase):
+    """Captures only the loop state (RNG, extra state) of each optimizer step. Training thread of a rank > 0.
+
+    Records are finalized in the post-step hook (no scheduler or scaler tail: those are replicated and come from
+    rank 0's lineage); fulls hold the loop state alone (no model, no optimizer state)."""
+
+    def __init__(self, model, optimizer, sink, policy, *, start_step: int, extra_state: Any = None,
+                 capture_rng: bool = True):
+        super().__init__(model, optimizer, sink, policy, start_step=start_step, extra_state=extra_state,
+                         capture_rng=capture_rng, capture_buffers=False)
+
+    def _make_record(self, step: int, loop: dict, buffers: dict) -> StepRecord:
+        return StepRecord(step=step, grads=[], hparams=[], loop=loop)
+
+    def _loop_tail(self) -> dict:
+        return {}
+
+    def _snapshot(self, step: int, loop: dict, rec: Any = None) -> FullState:
+        self.full_snapshots += 1
+        return FullState(step=step, model={}, optimizer={}, loop=loop)
+
+
+class LoopImpl(LowDiffImpl):
+    """Decodes rank loop-state objects (LowDiff's record format with no gradients); nothing to replay."""
+
+    name = "loop"
+
+    def make_capture(self, model, optimizer, sink, policy, **kwargs):
+        return LoopCapture(model, optimizer, sink, policy, **kwargs)
+
+    def advance(self, records, model, optimizer, full_step: int) -> None:
+        return None   # loop state is absolute: the record of the target step is the state
+
+
+register("loop", _LoopOnly, LoopImpl)
+
+
+class RankLoopRecorder:
+    """Records rank ``rank``'s loop state for every optimizer step of ``optimizer``. Training process of the rank.
+
+    Attaching writes the loop state at ``start_step`` synchronously (so a restart always finds the start of the
+    generation); later records go through a writer thread in batches of ``batch_steps``, with a loop-state
+    full every ``full_every`` steps. Call :meth:`close` at the end of training (flushes)."""
+
+    def __init__(self, storage, rank: int, model, optimizer, *, main_generation: int, start_step: int,
+                 extra_state: Any = None, full_every: int = 100, batch_steps: int = 10,
+                 max_pending_bytes: int = 64 << 20):
+        self.rank = rank
+        self.storage = rank_storage(storage, rank)
+        lineage, _ = load_lineage(self.storage, strict=False)
+        self.generation = lineage.next_generation()
+        self.main_generation = main_generation
+        impl = LoopImpl(_LoopOnly())
+        self._writer = AsyncWriter(self.storage, self.generation, impl, max_pending_bytes=max_pending_bytes,
+                                   info={MAIN_GENERATION: int(main_generation), "rank": rank},
+                                   index=lineage.manifests)
+        self._capture = LoopCapture(model, optimizer, self._writer, FixedFrequencyPolicy(full_every, batch_steps),
+                                    start_step=start_step, extra_state=extra_state)
+        try:
+            self._writer.submit(self._capture.snapshot_now())
+            self._writer.flush()
+        except BaseException:
+            self._capture.detach()
+            self._writer.close()
+            raise
+        self._closed = False
+
+    @property
+    def step(self) -> int:
+        return self._capture.step
+
+    def flush(self, timeout: float | None = None) -> None:
+        self._capture.flush_pending()
+        self._writer.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._capture.flush_pending()
+            self._writer.close(timeout)
+        finally:
+            self._capture.detach()
+
+
+def _generation_lineage(storage, rank: int, main_generation: int) -> Lineage:
+    lineage, _ = load_lineage(rank_storage(storage, rank), strict=False)
+    return Lineage([m for m in lineage.manifests if m.info.get(MAIN_GENERATION) == main_generation])
+
+
+def rank_loop_head(storage, rank: int, main_generation: int) -> int | None:
+    """The last step rank ``rank`` recorded (durably) while attached to main generation ``main_generation``;
+    None when it recorded nothing then (it was not part of that world). Any process."""
+    return _generation_lineage(storage, rank, main_generation).head()
+
+
+def load_rank_loop(storage, rank: int, main_generation: int, step: int) -> dict:
+    """Rank ``rank``'s loop state after ``step`` of main generation ``main_generation``. Raises
+    NoCheckpointError when it was not recorded. Any process."""
+    lineage = _generation_lineage(storage, rank, main_generation)
+    plan = lineage.resolve(step)
+    if plan.step != step:
+        raise NoCheckpointError(f"rank {rank} has no loop state of step {step} (generation {main_generation})")
+    chain = load_chain(rank_storage(storage, rank), plan)
+    return chain.records[-1].loop if chain.records else chain.full.loop
+
+
+def apply_rank_loop(loop: dict, *, extra_state: Any = None, restore_rng: bool = True) -> None:
+    """Install a rank's own loop state (after the replicated state was restored). Training process."""
+    if extra_state is not None and "extra" in loop:
+        extra_state.load_state_dict(loop["extra"])
+    if restore_rng and "rng" in loop:
+        set_rng_state(loop["rng"])
+
+
+def derive_rng(rank: int) -> int:
+    """Seed this process's RNG streams (torch CPU and current CUDA device, Python, NumPy) from the current torch
+    CPU RNG state (rank 0's, just restored) and ``rank``: a rank that has no saved loop state of its own gets
+    streams that differ from every other rank's and are the same at every restore. Returns the seed."""
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + int(rank).to_bytes(8, "little")).digest()
+    seed = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    torch.manual_seed(seed)   # also seeds every CUDA device
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    return seed
