@@ -149,9 +149,16 @@ def test_newer_generation_supersedes_from_its_start():
     assert lin.resolve(10).generation == 2
     with pytest.raises(NoCheckpointError, match="latest recoverable step: 12"):
         lin.resolve(15)  # only on the abandoned timeline of generation 1
-    # generation 2 lost entirely -> fall back to generation 1, capped at generation 2's start
+    # generation 2's full lost: its diffs still prove it branched at 8, so generation 1 stays capped there (its
+    # steps 9..20 are an abandoned timeline and must not come back)
     lin = Lineage(ms, exclude=[full_name(2, 8)])
-    assert lin.resolve(None).step == 20 or lin.resolve(None).step == 8
+    assert lin.resolve(None).step == 8 and lin.resolve(None).generation == 1
+    with pytest.raises(NoCheckpointError):
+        lin.resolve(15)
+    # a later diff of generation 2 alone: the start_step its writer recorded says where it began
+    ms3 = [_m(1, "full", 0), _m(1, "diff", 1, 20), _m(2, "diff", 13, 16, start_step=8)]
+    assert Lineage(ms3).resolve(None).step == 8
+    assert Lineage([_m(1, "full", 0), _m(1, "diff", 1, 20), _m(2, "diff", 13, 16)]).resolve(None).step == 12
     assert Lineage(ms).next_generation() == 3
 
 

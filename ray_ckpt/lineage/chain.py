@@ -60,9 +60,21 @@ class Lineage:
         fulls = [m.last_step for m in self._gens.get(gen, []) if m.kind == "full"]
         return min(fulls) if fulls else None
 
+    def _branch_point(self, gen: int) -> int | None:
+        """The step generation ``gen`` branched from, from any manifest of it: its attach full, the ``start_step``
+        its writer recorded, or the first step of a diff minus one. Known even when its full is lost, so a lost
+        full never revives the timeline it superseded."""
+        points = []
+        for m in self._gens.get(gen, []):
+            points.append(m.last_step if m.kind == "full" else m.first_step - 1)
+            start = m.info.get("start_step") if isinstance(m.info, dict) else None
+            if isinstance(start, int) and not isinstance(start, bool) and start >= 0:
+                points.append(start)
+        return min(points) if points else None
+
     def _cap(self, gen: int) -> int | None:
         """Highest step of ``gen`` still on the current timeline (None: unbounded)."""
-        starts = [s for g in self._gens if g > gen for s in [self.start_of(g)] if s is not None]
+        starts = [s for g in self._gens if g > gen for s in [self._branch_point(g)] if s is not None]
         return min(starts) if starts else None
 
     def _chains(self, gen: int, target: int | None) -> dict[int, list[Manifest]]:
