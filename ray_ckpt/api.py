@@ -40,6 +40,10 @@ class Checkpointer:
     ``extra_state``, ``scheduler`` and ``scaler`` are objects with ``state_dict()``/``load_state_dict()``; the
     same objects are given to :func:`restore`. Use as a context manager or call :meth:`close`.
 
+    Storage writes are retried with backoff for ``write_timeout`` seconds (default 300): an outage shorter than
+    that costs time (the training thread waits once ``max_pending_bytes`` is held), never data; beyond it
+    the next step raises :class:`WriterError`.
+
     ``policy="adaptive"`` (default) lets the policy choose ``full_every``/``batch_steps`` online from measured
     costs and failures (``mtbf_hint``: prior MTBF in seconds); values given explicitly are kept, and
     :meth:`policy_report` / ``stats()["policy"]`` say what it would choose and why. ``policy="fixed"``: never.
@@ -52,7 +56,8 @@ class Checkpointer:
                  max_pending_bytes: int | None = None, capture_rng: bool | None = None,
                  runtime: str = "local", run: str | None = None, memory_budget: int | None = None,
                  keep_fulls: int | None = None, replica: bool | None = None, handoff_delay: float | None = None,
-                 policy: str | None = None, mtbf_hint: float | None = None, durable_diffs: str | None = None):
+                 policy: str | None = None, mtbf_hint: float | None = None, durable_diffs: str | None = None,
+                 write_timeout: float | None = None):
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -65,7 +70,8 @@ class Checkpointer:
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng,
                                                memory_budget=memory_budget, keep_fulls=keep_fulls,
                                                replica=replica, handoff_delay=handoff_delay,
-                                               policy=policy, mtbf_hint=mtbf_hint, durable_diffs=durable_diffs)
+                                               policy=policy, mtbf_hint=mtbf_hint, durable_diffs=durable_diffs,
+                                               write_timeout=write_timeout)
         if self.config.durable_diffs != "all" and runtime != "ray":
             raise ValueError(f"durable_diffs={self.config.durable_diffs!r} needs runtime='ray' (a memory tier on "
                              f"two nodes); runtime={runtime!r} writes every step")
@@ -86,7 +92,8 @@ class Checkpointer:
             policy = self._local_policy()
             self._writer = AsyncWriter(self.storage, self.generation, impl,
                                        max_pending_bytes=self.config.max_pending_bytes,
-                                       write_retries=self.config.write_retries, info=info,
+                                       write_retries=self.config.write_retries,
+                                       write_timeout=self.config.write_timeout, info=info,
                                        index=lineage.manifests,
                                        on_commit=self._observe_commit if self._tuner is not None else None)
         else:

@@ -176,8 +176,12 @@ class CheckpointConfig:
     max_pending_bytes: int = 1 * _GiB
     #: capture torch / CUDA / Python / numpy RNG states with every step
     capture_rng: bool = True
-    #: attempts per storage write before the writer reports an error
+    #: attempts per storage write at least, whatever ``write_timeout`` says
     write_retries: int = 3
+    #: seconds a failing storage write is retried (exponential backoff, 0.05 s doubling up to 5 s) before the
+    #: writer reports an error: a storage outage shorter than this costs time (the training thread waits once
+    #: ``max_pending_bytes`` is held), never data
+    write_timeout: float = 300.0
     #: runtime="ray": bytes each node's PersistenceWorker may hold in the object store (durable objects are
     #: released oldest first beyond it; the newest full is kept)
     memory_budget: int = 2 * _GiB
@@ -246,6 +250,8 @@ class CheckpointConfig:
             raise ValueError(f"memory_budget must be at least 1 MiB, got {self.memory_budget}")
         if self.write_retries < 1:
             raise ValueError(f"write_retries must be >= 1, got {self.write_retries}")
+        if not 0 <= self.write_timeout <= 86400:
+            raise ValueError(f"write_timeout must be in [0, 86400] seconds, got {self.write_timeout}")
         if not 0 <= self.handoff_delay <= 60:
             raise ValueError(f"handoff_delay must be in [0, 60] seconds, got {self.handoff_delay}")
         if self.max_replica_lag < 1:

@@ -6,6 +6,7 @@ import json
 import shutil
 import traceback
 
+import pytest
 import torch.multiprocessing as mp
 
 import ray_ckpt
@@ -25,72 +26,58 @@ def _lineage(path, steps):
             T.train_step("mlp", model, opt, sch, s)
 
 
-def _worker(rank, world, port, uris, out, bad_rank):
+def _worker(rank, world, port, cases, out):
+    """Each case ``(uris, bad_rank)`` in turn, in one process group: agreed_restore into a fresh model."""
     T.init_dist(rank, world, port)
-    try:
-        model = T.make_model("mlp", seed=50 + rank)
-        if rank == bad_rank:   # a model whose shapes do not match the checkpoint: this rank cannot load it
-            model = T.make_model("mlp", seed=50 + rank)
-            model.fc1 = type(model.fc1)(model.fc1.in_features, model.fc1.out_features + 1)
-        opt = T.make_optimizer("adamw", model)
-        sch = T.make_scheduler(opt)
+    results = []
+    for uris, bad_rank in cases:
         try:
-            step, restored = agreed_restore(open_uri(uris[rank]), model, opt,
-                                            scheduler=sch, runtime="local")
-            res = {"step": step, "restored": restored, "w": T.snapshot(model, opt, sch)["model"]["fc1.weight"]
-                   .sum().item()}
-        except Exception as e:  # noqa: BLE001
-            res = {"error": type(e).__name__, "message": str(e)}
-    except Exception:  # noqa: BLE001
-        res = {"crash": traceback.format_exc()}
+            model = T.make_model("mlp", seed=50 + rank)
+            if rank == bad_rank:   # a model whose shapes do not match the checkpoint: this rank cannot load it
+                model.fc1 = type(model.fc1)(model.fc1.in_features, model.fc1.out_features + 1)
+            opt = T.make_optimizer("adamw", model)
+            sch = T.make_scheduler(opt)
+            try:
+                step, restored = agreed_restore(open_uri(uris[rank]), model, opt, scheduler=sch, runtime="local")
+                res = {"step": step, "restored": restored,
+                       "w": T.snapshot(model, opt, sch)["model"]["fc1.weight"].sum().item()}
+            except Exception as e:  # noqa: BLE001
+                res = {"error": type(e).__name__, "message": str(e)}
+        except Exception:  # noqa: BLE001
+            res = {"crash": traceback.format_exc()}
+        results.append(res)
     with open(f"{out}.{rank}", "w") as f:
-        json.dump(res, f)
+        json.dump(results, f)
 
 
-def _run(tmp_path, uris, bad_rank=-1):
-    out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(2, T.free_port(), uris, out, bad_rank), nprocs=2, join=True)
-    res = [json.load(open(f"{out}.{r}")) for r in range(2)]
-    assert not any("crash" in r for r in res), res
-    return res
-
-
-def test_every_rank_restores_the_step_rank_0_resolved(tmp_path):
-    """Rank 1 sees a lineage that reaches further (as when a commit lands while the ranks resolve "latest"):
-    it still restores rank 0's step, and both hold the same state."""
-    a, b = tmp_path / "a", tmp_path / "b"
+def test_agreement_failure_and_fresh_start(tmp_path):
+    """Four cases in one 2-process group (one spawn keeps the suite short):
+    1. rank 1 sees a lineage that reaches further (as when a commit lands while the ranks resolve "latest"):
+       it still restores rank 0's step, and both hold the same state;
+    2. a rank that cannot restore the agreed step fails the restore on every rank;
+    3. no lineage: every rank starts from scratch;
+    4. rank 0 cannot resolve a step (every manifest unreadable): every rank fails, saying so."""
+    a, b, empty, broken = (tmp_path / n for n in ("a", "b", "empty", "broken"))
     _lineage(a, 12)
     _lineage(b, 17)          # the same deterministic run, 5 steps further: steps 0..12 are identical
-    res = _run(tmp_path, [str(a), str(b)])
-    assert [r.get("step") for r in res] == [12, 12], res
-    assert res[0]["restored"] and res[1]["restored"] and res[0]["w"] == res[1]["w"], res
-
-
-def test_a_rank_that_cannot_restore_fails_the_restore_on_every_rank(tmp_path):
-    a = tmp_path / "a"
-    _lineage(a, 8)
-    res = _run(tmp_path, [str(a), str(a)], bad_rank=1)
-    assert [r.get("error") for r in res] == ["RestoreError", "RestoreError"], res
-    assert all("rank(s) [1]" in r["message"] and "step 8" in r["message"] for r in res), res
-
-
-def test_no_lineage_starts_every_rank_from_scratch(tmp_path):
-    (tmp_path / "empty").mkdir()
-    res = _run(tmp_path, [str(tmp_path / "empty")] * 2)
-    assert [(r.get("step"), r.get("restored")) for r in res] == [(0, False), (0, False)], res
-
-
-def test_rank_0_failing_to_resolve_fails_every_rank(tmp_path):
-    a = tmp_path / "a"
-    _lineage(a, 6)
-    broken = tmp_path / "broken"
+    empty.mkdir()
     shutil.copytree(a, broken)
-    for p in broken.rglob("*"):          # every manifest unreadable: rank 0 cannot resolve a step
+    for p in broken.rglob("*"):
         if p.is_file() and p.parent.name == "manifests":
             p.write_bytes(b"{not json")
-    res = _run(tmp_path, [str(broken), str(a)])
-    assert [r.get("error") for r in res] == ["RestoreError", "RestoreError"], res
-    assert all("rank 0 could not resolve" in r["message"] for r in res), res
+    cases = [([str(a), str(b)], -1), ([str(a), str(a)], 1), ([str(empty)] * 2, -1), ([str(broken), str(a)], -1)]
+    out = str(tmp_path / "res")
+    mp.spawn(_worker, args=(2, T.free_port(), cases, out), nprocs=2, join=True)
+    res = list(zip(*(json.load(open(f"{out}.{r}")) for r in range(2))))   # per case: (rank 0, rank 1)
+    assert not any("crash" in r for case in res for r in case), res
+    agreed, bad, fresh, unresolved = res
+    assert [r.get("step") for r in agreed] == [12, 12], agreed
+    assert agreed[0]["restored"] and agreed[1]["restored"] and agreed[0]["w"] == agreed[1]["w"], agreed
+    assert [r.get("error") for r in bad] == ["RestoreError", "RestoreError"], bad
+    assert all("rank(s) [1]" in r["message"] and "step 12" in r["message"] for r in bad), bad
+    assert [(r.get("step"), r.get("restored")) for r in fresh] == [(0, False), (0, False)], fresh
+    assert [r.get("error") for r in unresolved] == ["RestoreError", "RestoreError"], unresolved
+    assert all("rank 0 could not resolve" in r["message"] for r in unresolved), unresolved
 
 
 # -- per-rank loop state (#13 item 1) ------------------------------------------------------------------------
@@ -171,8 +158,15 @@ def _group(tmp_path, uri, tag, start_fresh, until, abandon_rank1=False, ef="off"
     return res
 
 
-def test_each_rank_continues_with_its_own_rng_and_extra_state(tmp_path):
-    ref = _group(tmp_path, str(tmp_path / "ref"), "ref", True, 23)
+@pytest.fixture(scope="module")
+def plain_reference(tmp_path_factory):
+    """The uninterrupted 23-step run of the 2-rank loop (shared by the tests below)."""
+    tmp = tmp_path_factory.mktemp("plain-ref")
+    return _group(tmp, str(tmp / "ref"), "ref", True, 23)
+
+
+def test_each_rank_continues_with_its_own_rng_and_extra_state(tmp_path, plain_reference):
+    ref = plain_reference
     assert ref[0]["probe"] != ref[1]["probe"]          # the ranks' streams differ: per-rank state matters
     uri = str(tmp_path / "ckpt")
     _group(tmp_path, uri, "a", True, 13)
@@ -183,10 +177,10 @@ def test_each_rank_continues_with_its_own_rng_and_extra_state(tmp_path):
             assert got[r][key] == ref[r][key], f"rank {r}: {key} differs from the uninterrupted run"
 
 
-def test_a_rank_whose_last_loop_records_were_lost_pulls_the_group_back(tmp_path):
+def test_a_rank_whose_last_loop_records_were_lost_pulls_the_group_back(tmp_path, plain_reference):
     """Rank 1 dies with its last records unwritten (rank 0 made all 14 steps durable): every rank restores the
     last step rank 1 recorded, and the continued run still equals the uninterrupted one on every rank."""
-    ref = _group(tmp_path, str(tmp_path / "ref"), "ref", True, 23)
+    ref = plain_reference
     uri = str(tmp_path / "ckpt")
     _group(tmp_path, uri, "a", True, 14, abandon_rank1=True)
     got = _group(tmp_path, uri, "b", False, 23)

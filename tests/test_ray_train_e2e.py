@@ -70,6 +70,7 @@ def reference(tmp_path_factory, ray_cluster):  # noqa: F811
     return {s: _load(out / f"ref-{s}.pt") for s in range(1, STEPS + 1)}
 
 
+@pytest.mark.long   # make test runs the stricter tests/test_continuation_e2e.py (same kill, every rank's state)
 def test_sigkilled_worker_resumes_bit_exact(tmp_path, reference):
     out = tmp_path / "out"
     out.mkdir()

@@ -27,6 +27,7 @@ from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.lineage import index as lineage_index
+from ray_ckpt.storage.retry import RetryBudgetExceeded, RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
 
@@ -157,12 +158,13 @@ class BoundedSink:
 
 class AsyncWriter(BoundedSink):
     def __init__(self, storage, generation: int, impl, *, max_pending_bytes: int, write_retries: int = 3,
-                 info: dict | None = None,
+                 write_timeout: float = 300.0, info: dict | None = None,
                  on_commit: Callable[[Manifest], None] | None = None, index: list | None = None):
         super().__init__(max_pending_bytes, f"ray_ckpt-writer-g{generation}")
         self.storage = storage
         self.generation = generation
         self.write_retries = write_retries
+        self._retry_policy = RetryPolicy(budget_s=write_timeout, min_attempts=write_retries)
         self.impl = impl
         self.info = dict(info or {})
         self.on_commit = on_commit
@@ -257,14 +259,7 @@ class AsyncWriter(BoundedSink):
             self.on_commit(manifest)
 
     def _retry(self, fn, what: str) -> None:
-        delay = 0.05
-        for attempt in range(1, self.write_retries + 1):
-            try:
-                fn()
-                return
-            except Exception as e:  # noqa: BLE001
-                if attempt == self.write_retries:
-                    raise WriterError(f"writing {what!r} failed after {attempt} attempts: {e}") from e
-                log.warning("ray_ckpt: writing %s failed (attempt %d): %s; retrying", what, attempt, e)
-                time.sleep(delay)
-                delay *= 4
+        try:
+            self._retry_policy.call(fn, f"writing {what!r}")
+        except RetryBudgetExceeded as e:
+            raise WriterError(str(e)) from e.__cause__

@@ -71,7 +71,8 @@ class RaySink(BoundedSink):
             self.info["durable_diffs"] = config.durable_diffs
         self.submit_retries = submit_retries
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.worker = get_or_create_worker(run, self.node_id, storage, config.memory_budget)
+        self.write_timeout = config.write_timeout
+        self.worker = get_or_create_worker(run, self.node_id, storage, config.memory_budget, config.write_timeout)
         ray.get(self.worker.ping.remote())  # started and ready before the first step is handed over
         self._coordinator = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
         self._incarnation: str | None = None
@@ -247,7 +248,8 @@ class RaySink(BoundedSink):
             except _RETRYABLE as e:
                 log.warning("ray_ckpt: persistence worker unavailable during %s (%s); retrying", what, e)
                 time.sleep(min(2.0, 0.1 * 2 ** attempt))
-                self.worker = get_or_create_worker(self.run, self.node_id, self.storage, self.memory_budget)
+                self.worker = get_or_create_worker(self.run, self.node_id, self.storage, self.memory_budget,
+                                                   self.write_timeout)
         raise WriterError(f"persistence worker unavailable for {what}")
 
     def _on_reply(self, reply: dict) -> None:

@@ -48,10 +48,12 @@ import ray
 from ray_ckpt.format import segments
 from ray_ckpt.lineage import Manifest, diff_name, object_key
 from ray_ckpt.runtime import naming
+from ray_ckpt.storage.retry import RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
 
 _REPORT_INTERVAL_S = 0.05
+_RETRY_AFTER_FAILURE_S = 10.0   # a job whose write failed beyond its retry budget is tried again this much later
 #: durable_diffs="fulls": how long a diff chunk may wait for the peer's acknowledgement before it is written
 LAZY_GRACE_S = 10.0
 
@@ -82,8 +84,11 @@ def join(value):
 
 
 class PersistenceWorker:
-    def __init__(self, run: str, storage, memory_budget: int, durable_delay: float = 2.0):
+    def __init__(self, run: str, storage, memory_budget: int, durable_delay: float = 2.0,
+                 write_timeout: float = 300.0):
         self.run = run
+        self._retry_policy = RetryPolicy(budget_s=write_timeout)
+        self._retry_at = 0.0   # after a write failed beyond its retry budget: when to try that job again
         self.storage = storage  # a picklable StorageBackend
         self.node_id = ray.get_runtime_context().get_node_id()
         self.memory_budget = memory_budget
@@ -163,7 +168,8 @@ class PersistenceWorker:
             return self._peer_cache[1], self._peer_cache[2]
         alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         others = [n for n in alive if n > self.node_id] + [n for n in alive if n < self.node_id]
-        peer = get_or_create_worker(self.run, others[0], self.storage, self.memory_budget) if others else None
+        peer = get_or_create_worker(self.run, others[0], self.storage, self.memory_budget,
+                                    self._retry_policy.budget_s) if others else None
         self._peer_cache = (now, peer, others[0] if others else "")
         return peer, self._peer_cache[2]
 
@@ -371,19 +377,37 @@ class PersistenceWorker:
                         self._commit(payload, as_buffers(ray.get(h.ref)), [payload.name])
                 else:
                     self._write_batch(payload)
-            except Exception as e:  # noqa: BLE001
-                log.exception("ray_ckpt: persistence failed")
+                with self._cv:
+                    if self._error is not None:
+                        log.warning("ray_ckpt: persistence on node %s works again", self.node_id[:8])
+                    self._error = None
+            except Exception as e:  # noqa: BLE001 - the job stays held and queued: retried, never dropped
+                log.error("ray_ckpt: persistence failed beyond its retry budget (%s: %s); the data stays held "
+                          "in memory and is retried in %g s", type(e).__name__, e, _RETRY_AFTER_FAILURE_S)
                 with self._cv:
                     self._error = f"{type(e).__name__}: {e}"
+                    self._retry_at = time.monotonic() + _RETRY_AFTER_FAILURE_S
+                    self._requeue_locked(kind, payload)
             finally:
                 with self._cv:
                     self._writing = False
                     self._cv.notify_all()
 
+    def _requeue_locked(self, kind: str, payload) -> None:
+        """Put a job whose write failed back at the head of its queue (held data is never dropped)."""
+        if kind == "full":
+            self._fulls.appendleft(payload)
+            return
+        steps = sum(m.last_step - m.first_step + 1 for m in payload)
+        chunks = self._pending.setdefault(payload[0].generation, {})
+        for m in payload:
+            chunks[m.first_step] = (m, steps)
+
     def _next_job_locked(self):
         """The next write: a full, else the first run of consecutive diff chunks of a generation once it holds
-        ``batch_steps`` steps, or on flush / memory pressure / when its oldest chunk waited ``durable_delay``."""
-        if self._error is not None:
+        ``batch_steps`` steps, or on flush / memory pressure / when its oldest chunk waited ``durable_delay``.
+        After a write failed beyond its retry budget, nothing until ``_retry_at``."""
+        if self._error is not None and time.monotonic() < self._retry_at:
             return None
         if self._fulls:
             return "full", self._fulls.popleft()
@@ -449,8 +473,8 @@ class PersistenceWorker:
 
     def _commit(self, m: Manifest, bufs: list, covers: list[str]) -> None:
         t0 = time.perf_counter()
-        self.storage.write(m.object, bufs)
-        self.storage.write(m.key, m.to_json())
+        self._retry_policy.call(lambda: self.storage.write(m.object, bufs), f"writing {m.object!r}")
+        self._retry_policy.call(lambda: self.storage.write(m.key, m.to_json()), f"writing {m.key!r}")
         self._stats["write_seconds"] += time.perf_counter() - t0
         self._stats["objects_written"] += 1
         self._stats["bytes_written"] += m.nbytes
@@ -488,7 +512,7 @@ def _actor_options(name: str, node_id: str) -> dict:
 _remote_cls = None
 
 
-def get_or_create_worker(run: str, node_id: str, storage, memory_budget: int):
+def get_or_create_worker(run: str, node_id: str, storage, memory_budget: int, write_timeout: float = 300.0):
     """The PersistenceWorker of ``node_id`` for ``run`` (created pinned to that node if missing). Any process.
 
     Creation is idempotent across processes (``get_if_exists``): concurrent callers get the same actor.
@@ -501,4 +525,5 @@ def get_or_create_worker(run: str, node_id: str, storage, memory_budget: int):
         pass
     if _remote_cls is None:
         _remote_cls = ray.remote(PersistenceWorker)
-    return _remote_cls.options(**_actor_options(name, node_id)).remote(run, storage, memory_budget)
+    return _remote_cls.options(**_actor_options(name, node_id)).remote(run, storage, memory_budget,
+                                                                       write_timeout=write_timeout)
