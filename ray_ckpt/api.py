@@ -18,6 +18,9 @@ from ray_ckpt.engine.capture import RESTORED_STEP_ATTR
 from ray_ckpt.engine.restore import apply_chain, check_not_attached, load_lineage, resolve_and_load
 from ray_ckpt.engine.strategy import impl_for
 from ray_ckpt.engine.writer import AsyncWriter
+from ray_ckpt.format.container import CorruptObjectError
+from ray_ckpt.lineage import ManifestError
+from ray_ckpt.storage.base import ObjectNotFound
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy.adaptive import AdaptivePolicy, make_tuner, publish_report
 from ray_ckpt import storage as _storage
@@ -105,6 +108,7 @@ class Checkpointer:
                                           scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                                           capture_rng=self.config.capture_rng, fingerprint_every=fp_every)
         self._closed = False
+        self._start_step = start_step
         try:
             self._writer.submit(self._capture.snapshot_now())
             if runtime == "ray":  # held on two nodes (durable on a one-node cluster) when attach returns
@@ -181,11 +185,16 @@ class Checkpointer:
             self._capture.detach()
 
     def stats(self) -> dict:
-        """Counters for logs and benchmarks (training process). ``runtime="ray"`` adds the node worker's and
+        """Counters for logs and benchmarks (training process). ``durable_lag_steps``: steps captured but not yet
+        committed (``runtime="local"``: written; ``runtime="ray"``: handed to the persistence tier, whose
+        ``runtime.restorable`` says what is durable). ``runtime="ray"`` adds the node worker's and
         the replica's figures (one actor call each): ``write_seconds``/``durable_bytes`` are the worker's
         durable writes, ``encode_seconds`` the sender thread's encode + hand-off time."""
         s = self._writer.stats
-        out = {"step": self.step, "generation": self.generation, "last_committed_step": s.last_committed_step,
+        committed = s.last_committed_step
+        out = {"step": self.step, "generation": self.generation, "last_committed_step": committed,
+               # nothing committed yet: the attach full itself is pending too
+               "durable_lag_steps": self.step - (committed if committed is not None else self._start_step - 1),
                "objects_written": s.objects_written, "bytes_written": s.bytes_written,
                "diff_bytes": s.diff_bytes, "full_bytes": s.full_bytes, "stall_seconds": s.stall_seconds,
                "write_seconds": s.write_seconds, "encode_seconds": s.encode_seconds,
@@ -224,8 +233,9 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     committed) from ``uri``; returns the restored step. Runs in the calling (training) process.
 
     The result is what the training loop had right before its ``(step+1)``-th ``optimizer.step()``.
-    With ``fallback=True`` a corrupt object or malformed manifest is logged and skipped, and the latest good
-    step at or before the request is restored instead of raising.
+    With ``fallback=True`` a missing or corrupt object or a malformed manifest is logged and skipped, and the
+    latest good step at or before the request (on the same timeline) is restored instead of raising; with
+    ``runtime="ray"`` a plan that fails that way is retried from storage.
 
     ``runtime="ray"`` asks the run's coordinator for the plan and reads objects from the object store of live
     nodes where they are held (memory tier), from storage otherwise; without a coordinator it reads storage.
@@ -237,7 +247,13 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     chain = None
     if runtime == "ray":
         from ray_ckpt.runtime.client import load_via_coordinator
-        got = load_via_coordinator(storage, step, run=run)
+        try:
+            got = load_via_coordinator(storage, step, run=run)
+        except (CorruptObjectError, ManifestError, ObjectNotFound) as e:
+            if not fallback:
+                raise
+            log.warning("ray_ckpt: the coordinator's plan failed (%s); falling back to storage", e)
+            got = None
         if got is not None:
             chain, tiers = got
             log.info("ray_ckpt: plan read %d objects from the memory tier, %d from storage", tiers["memory"],

@@ -56,8 +56,9 @@ def test_agreement_failure_and_fresh_start(tmp_path):
        it still restores rank 0's step, and both hold the same state;
     2. a rank that cannot restore the agreed step fails the restore on every rank;
     3. no lineage: every rank starts from scratch;
-    4. rank 0 cannot resolve a step (every manifest unreadable): every rank fails, saying so."""
-    a, b, empty, broken = (tmp_path / n for n in ("a", "b", "empty", "broken"))
+    4. rank 0 cannot resolve a step (every manifest unreadable): every rank fails, saying so;
+    5. the latest diff object is corrupt: every rank falls back to the same earlier step (fallback=True)."""
+    a, b, empty, broken, bad_diff = (tmp_path / n for n in ("a", "b", "empty", "broken", "bad_diff"))
     _lineage(a, 12)
     _lineage(b, 17)          # the same deterministic run, 5 steps further: steps 0..12 are identical
     empty.mkdir()
@@ -65,12 +66,21 @@ def test_agreement_failure_and_fresh_start(tmp_path):
     for p in broken.rglob("*"):
         if p.is_file() and p.parent.name == "manifests":
             p.write_bytes(b"{not json")
-    cases = [([str(a), str(b)], -1), ([str(a), str(a)], 1), ([str(empty)] * 2, -1), ([str(broken), str(a)], -1)]
+    shutil.copytree(a, bad_diff)
+    last = sorted((bad_diff / "objects").glob("*diff*"))[-1]   # names sort in step order
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 0xFF
+    last.write_bytes(bytes(data))
+    first_bad = int(last.name.split("-")[2])
+    cases = [([str(a), str(b)], -1), ([str(a), str(a)], 1), ([str(empty)] * 2, -1), ([str(broken), str(a)], -1),
+             ([str(bad_diff)] * 2, -1)]
     out = str(tmp_path / "res")
     mp.spawn(_worker, args=(2, T.free_port(), cases, out), nprocs=2, join=True)
     res = list(zip(*(json.load(open(f"{out}.{r}")) for r in range(2))))   # per case: (rank 0, rank 1)
     assert not any("crash" in r for case in res for r in case), res
-    agreed, bad, fresh, unresolved = res
+    agreed, bad, fresh, unresolved, fell_back = res
+    assert [r.get("step") for r in fell_back] == [first_bad - 1] * 2, (first_bad, fell_back)
+    assert fell_back[0]["w"] == fell_back[1]["w"]
     assert [r.get("step") for r in agreed] == [12, 12], agreed
     assert agreed[0]["restored"] and agreed[1]["restored"] and agreed[0]["w"] == agreed[1]["w"], agreed
     assert [r.get("error") for r in bad] == ["RestoreError", "RestoreError"], bad

@@ -35,14 +35,19 @@ def test_retry_policy_backs_off_within_its_budget():
             raise OSError("connection refused")
         return "ok"
 
-    p = RetryPolicy(budget_s=10, first_delay_s=0.1, max_delay_s=1.0)
+    p = RetryPolicy(budget_s=10, first_delay_s=0.1, max_delay_s=1.0, jitter=0)
     assert p.call(flaky, "writing x", sleep=sleep, clock=lambda: now[0]) == "ok"
     assert sleeps[:4] == [0.1, 0.2, 0.4, 0.8] and max(sleeps) == 1.0
     with pytest.raises(RetryBudgetExceeded, match=r"writing y failed .*\(retry budget 2 s\): OSError"):
-        RetryPolicy(budget_s=2, first_delay_s=0.1, max_delay_s=1.0).call(
+        RetryPolicy(budget_s=2, first_delay_s=0.1, max_delay_s=1.0, jitter=0).call(
             lambda: (_ for _ in ()).throw(OSError("down")), "writing y", sleep=sleep, clock=lambda: now[0])
     with pytest.raises(ValueError):
         RetryPolicy(budget_s=-1)
+    sleeps.clear()
+    now[0] = 0.0
+    RetryPolicy(budget_s=10, first_delay_s=0.1, max_delay_s=1.0, jitter=0.25).call(
+        flaky, "writing z", sleep=sleep, clock=lambda: now[0])
+    assert all(0.075 <= d / b <= 1.25 for d, b in zip(sleeps, [0.1, 0.2, 0.4, 0.8, 1.0]))
 
 
 @pytest.fixture
@@ -72,18 +77,19 @@ def _reference(steps):
 def _train_through_outage(ck, model, opt, sch, proxy, steps=40, down_at=10, up_at=30, outage_s=OUTAGE_S):
     """Steps 0..down_at-1 normally; then the endpoint goes down; steps until up_at run during the outage (as
     fast as backpressure allows, spread over it); the endpoint comes back after OUTAGE_S; then the rest."""
-    t_down = None
+    t_down = lag = None
     for s in range(steps):
         if s == down_at:
             proxy.down()
             t_down = time.monotonic()
         if s == up_at:
             time.sleep(max(0.0, t_down + outage_s - time.monotonic()))
+            lag = ck.stats()["durable_lag_steps"]
             proxy.up()
         T.train_step("mlp", model, opt, sch, s)
         if down_at <= s < up_at:
             time.sleep(outage_s / (up_at - down_at) / 2)
-    return t_down
+    return lag
 
 
 def _assert_every_step(uri, opts, ref, steps, **kw):
@@ -105,8 +111,9 @@ def test_a_20s_outage_costs_time_not_data_local_runtime(s3_server, outage, caplo
     with caplog.at_level(logging.WARNING, logger="ray_ckpt"):
         with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, storage_options=opts, full_every=10,
                                    batch_steps=4, policy="fixed", write_timeout=120) as ck:
-            _train_through_outage(ck, model, opt, sch, outage)
-        assert ck.last_committed_step == 40
+            lag = _train_through_outage(ck, model, opt, sch, outage)
+            assert lag >= 15, lag            # stats() showed the durable lag during the outage
+        assert ck.last_committed_step == 40 and ck.stats()["durable_lag_steps"] == 0
     assert "retrying" in caplog.text and "succeeded after" in caplog.text
     _assert_every_step(uri, opts, ref, range(41))
 

@@ -157,10 +157,15 @@ def rank_loop_head(storage, rank: int, main_generation: int) -> int | None:
 
 
 def load_rank_loop(storage, rank: int, main_generation: int, step: int) -> dict:
-    """Rank ``rank``'s loop state after ``step`` of main generation ``main_generation``. Raises
-    NoCheckpointError when it was not recorded. Any process."""
+    """Rank ``rank``'s loop state after ``step`` of main generation ``main_generation`` (of the rank's timeline
+    when that generation does not reach back to ``step``). Raises NoCheckpointError when it was not recorded.
+    Any process."""
     lineage = _generation_lineage(storage, rank, main_generation)
-    plan = lineage.resolve(step)
+    try:
+        plan = lineage.resolve(step)
+    except NoCheckpointError:   # a step of an earlier generation (a fallback went back past this one's start)
+        lineage, _ = load_lineage(rank_storage(storage, rank), strict=False)
+        plan = lineage.resolve(step)
     if plan.step != step:
         raise NoCheckpointError(f"rank {rank} has no loop state of step {step} (generation {main_generation})")
     chain = load_chain(rank_storage(storage, rank), plan)

@@ -153,8 +153,9 @@ def load_chain(storage, plan: Plan, reader: Callable[[Manifest], Any] | None = N
 def resolve_and_load(storage, step: int | None, *, fallback: bool,
                      reader: Callable[[Manifest], Any] | None = None,
                      lineage: Lineage | None = None) -> LoadedChain:
-    """Resolve ``step`` (None = latest) and load it; with ``fallback``, skip corrupt objects (and malformed
-    manifests) and take the latest good step at or before the request, logging what was skipped."""
+    """Resolve ``step`` (None = latest) and load it; with ``fallback``, skip missing and corrupt objects (and
+    malformed manifests) alike and take the latest good step at or before the request on the same timeline
+    (never a step of a superseded generation), logging what was skipped."""
     bad_manifests: list[str] = []
     indexed = lineage is None
     if lineage is None:
@@ -175,14 +176,22 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
         try:
             return load_chain(storage, plan, reader)
         except ObjectNotFound:
-            if not indexed:
+            if indexed:
+                # the index named an object deleted since (garbage collection): plan from a full listing
+                log.info("ray_ckpt: the lineage index is stale; listing every manifest")
+                indexed = False
+                lineage, bad_manifests = load_lineage(storage, strict=not fallback, use_index=False)
+                excluded = set()
+                continue
+            if not fallback:
                 raise
-            # the index named an object deleted since (garbage collection): plan from a full listing
-            log.info("ray_ckpt: the lineage index is stale; listing every manifest")
-            indexed = False
-            lineage, bad_manifests = load_lineage(storage, strict=not fallback, use_index=False)
-            excluded = set()
-            continue
+            missing = [m for m in plan.objects if not storage.exists(m.object)]
+            if not missing:
+                raise
+            for m in missing:
+                log.warning("ray_ckpt: object %s of a committed step is missing; falling back to an earlier step",
+                            m.object)
+                excluded.add(m.name)
         except CorruptObjectError as e:
             if not fallback:
                 raise

@@ -304,14 +304,31 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
     if step != value:
         log.warning("ray_ckpt: restoring step %d, not the latest %d: a rank recorded its loop state only up to "
                     "step %d", step, value, step)
+    target, gots = step, [step]
+    for _ in range(_AGREE_ROUNDS):
+        error, got = None, None
+        try:   # fallback: a missing or corrupt object costs steps, not the run (logged loudly below)
+            got = restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state, scaler=scaler,
+                          step=target, runtime=runtime, run=run, fallback=True)
+        except Exception as e:  # noqa: BLE001 - exchanged with the other ranks, then raised on all
+            error = f"{type(e).__name__}: {e}"
+        outcomes: list = [None] * world
+        dist.all_gather_object(outcomes, (got, error))
+        _raise_failed(outcomes, f"restore of step {target}")
+        gots = sorted({g for g, _ in outcomes})
+        if len(gots) == 1:
+            break
+        target = gots[0]   # a rank fell back further (it read a bad object): every rank goes there
+    else:
+        raise RestoreError(f"the ranks could not agree on a step to restore (they reached {gots})")
+    restored = gots[0]
+    if restored != step:
+        log.error("ray_ckpt: restored step %d instead of %d: objects were missing or corrupt (logged above); "
+                  "the steps in between are recomputed", restored, step)
     error = None
     try:
-        got = restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state, scaler=scaler,
-                      step=step, runtime=runtime, run=run)
-        if got != step:
-            error = f"restored step {got} instead of {step}"
-        elif rank > 0 and heads[rank][1] is not None:
-            rankloop.apply_rank_loop(rankloop.load_rank_loop(storage, rank, generation, step),
+        if rank > 0 and heads[rank][1] is not None:
+            rankloop.apply_rank_loop(rankloop.load_rank_loop(storage, rank, generation, restored),
                                      extra_state=extra_state)
         elif rank > 0:
             seed = rankloop.derive_rng(rank)
@@ -321,15 +338,22 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
             log.info("ray_ckpt: rank %d has no loop state of its own in generation %d (it was not part of the "
                      "saved world): extra state is rank 0's%s, RNG derived from rank 0's (seed %d)", rank,
                      generation, " (then reset_for_new_rank())" if callable(hook) else "", seed)
-    except Exception as e:  # noqa: BLE001 - exchanged with the other ranks, then raised on all
+    except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    outcomes: list = [None] * world
-    dist.all_gather_object(outcomes, error)
-    failed = {r: e for r, e in enumerate(outcomes) if e is not None}
+    outcomes = [None] * world
+    dist.all_gather_object(outcomes, (restored, error))
+    _raise_failed(outcomes, f"restore of rank loop state at step {restored}")
+    return restored, True
+
+
+_AGREE_ROUNDS = 3
+
+
+def _raise_failed(outcomes: list, what: str) -> None:
+    failed = {r: e for r, (_, e) in enumerate(outcomes) if e is not None}
     if failed:
-        raise RestoreError(f"restore of step {step} failed on rank(s) {sorted(failed)}: "
+        raise RestoreError(f"{what} failed on rank(s) {sorted(failed)}: "
                            + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())))
-    return step, True
 
 
 def _record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state, full_every, batch_steps):

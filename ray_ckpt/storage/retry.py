@@ -8,6 +8,7 @@ thread waits when it is exhausted). The first failure is logged as a WARNING, fu
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -24,17 +25,21 @@ class RetryBudgetExceeded(Exception):
 @dataclass(frozen=True)
 class RetryPolicy:
     """Retry for up to ``budget_s`` seconds after the first failure, sleeping ``first_delay_s`` doubled after
-    each failure up to ``max_delay_s``; at least ``min_attempts`` attempts whatever the budget."""
+    each failure up to ``max_delay_s`` (each sleep scaled by a random factor in ``1 ± jitter``, so writers that
+    failed together do not retry in lockstep); at least ``min_attempts`` attempts whatever the budget."""
 
     budget_s: float = 300.0
     first_delay_s: float = 0.05
     max_delay_s: float = 5.0
     min_attempts: int = 3
     report_every_s: float = 30.0
+    jitter: float = 0.25
 
     def __post_init__(self):
         if self.budget_s < 0 or self.first_delay_s <= 0 or self.max_delay_s < self.first_delay_s:
             raise ValueError(f"invalid retry policy {self}")
+        if not 0 <= self.jitter < 1:
+            raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
         if self.min_attempts < 1:
             raise ValueError(f"min_attempts must be >= 1, got {self.min_attempts}")
 
@@ -62,7 +67,7 @@ class RetryPolicy:
                     last_report = now
                     log.warning("ray_ckpt: %s failed (attempt %d, %.1f s into the outage): %s: %s; retrying for "
                                 "up to %g s", what, attempt, spent, type(e).__name__, e, self.budget_s)
-                sleep(delay)
+                sleep(delay * (1 + self.jitter * (2 * random.random() - 1)) if self.jitter else delay)
                 delay = min(self.max_delay_s, delay * 2)
                 continue
             if t0 is not None:
