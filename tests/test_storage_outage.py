@@ -12,7 +12,7 @@ import pytest
 import ray
 
 import ray_ckpt
-from ray_ckpt.storage.retry import RetryBudgetExceeded, RetryPolicy
+from ray_ckpt.storage.retry import PermanentStorageError, RetryBudgetExceeded, RetryPolicy, is_permanent
 from tests import _training as T
 from tests._outage import OutageProxy
 
@@ -48,6 +48,56 @@ def test_retry_policy_backs_off_within_its_budget():
     RetryPolicy(budget_s=10, first_delay_s=0.1, max_delay_s=1.0, jitter=0.25).call(
         flaky, "writing z", sleep=sleep, clock=lambda: now[0])
     assert all(0.075 <= d / b <= 1.25 for d, b in zip(sleeps, [0.1, 0.2, 0.4, 0.8, 1.0]))
+
+
+def test_errors_waiting_cannot_fix_are_not_retried(tmp_path):
+    """Permission denied, read-only file system, disk full: a clear error at once, not minutes of retries."""
+    import errno
+    from ray_ckpt.storage import StorageError
+    for cause in (PermissionError(errno.EACCES, "Permission denied"), OSError(errno.EROFS, "Read-only file system"),
+                  OSError(errno.ENOSPC, "No space left on device"), OSError("AWS Error ACCESS_DENIED during Put")):
+        wrapped = StorageError("cannot write x")
+        wrapped.__cause__ = cause
+        assert is_permanent(wrapped), cause
+        calls = []
+
+        def fail(c=wrapped):
+            calls.append(1)
+            raise c
+
+        with pytest.raises(PermanentStorageError, match="not retried"):
+            RetryPolicy(budget_s=300).call(fail, "writing x", sleep=lambda d: None)
+        assert len(calls) == 1
+    assert not is_permanent(ConnectionResetError("reset by peer"))
+    assert not is_permanent(OSError(errno.ECONNREFUSED, "Connection refused"))
+
+    class FullDisk:   # a backend whose disk is full (root ignores permissions, so no chmod-based read-only here)
+        def __init__(self, base):
+            self.base, self.uri = base, base.uri
+
+        def write(self, key, data):
+            if key.startswith("objects/") and "full-000000000000" not in key:
+                raise StorageError(f"cannot write {key}") from OSError(errno.ENOSPC, "No space left on device")
+            self.base.write(key, data)
+
+        def __getattr__(self, name):
+            return getattr(self.base, name)
+
+    from ray_ckpt.storage import open_storage
+    storage = FullDisk(open_storage(str(tmp_path / "ckpt")))
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    ck = ray_ckpt.Checkpointer(storage, model, opt, full_every=100, batch_steps=2, policy="fixed")
+    t0 = time.monotonic()
+    with pytest.raises(ray_ckpt.WriterError, match="No space left on device"):
+        for s in range(50):
+            T.train_step("mlp", model, opt, None, s)
+            time.sleep(0.02)
+    assert time.monotonic() - t0 < 10       # within a few steps, not after the 300 s budget
+    ck.close()
+    m = T.make_model("mlp", seed=1)
+    o = T.make_optimizer("adamw", m)
+    assert ray_ckpt.restore(str(tmp_path / "ckpt"), m, o) == 0   # the last committed step stays restorable
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.lineage import index as lineage_index
-from ray_ckpt.storage.retry import RetryBudgetExceeded, RetryPolicy
+from ray_ckpt.storage.retry import PermanentStorageError, RetryBudgetExceeded, RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
 
@@ -261,5 +261,5 @@ class AsyncWriter(BoundedSink):
     def _retry(self, fn, what: str) -> None:
         try:
             self._retry_policy.call(fn, f"writing {what!r}")
-        except RetryBudgetExceeded as e:
+        except (RetryBudgetExceeded, PermanentStorageError) as e:
             raise WriterError(str(e)) from e.__cause__

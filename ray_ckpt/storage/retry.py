@@ -7,6 +7,7 @@ thread waits when it is exhausted). The first failure is logged as a WARNING, fu
 """
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import time
@@ -20,6 +21,37 @@ T = TypeVar("T")
 
 class RetryBudgetExceeded(Exception):
     """A storage call kept failing for the whole retry budget (the last error is chained)."""
+
+
+class PermanentStorageError(Exception):
+    """A storage call failed in a way waiting does not fix (permission denied, read-only, disk full, no such
+    bucket): raised at once, the original error chained."""
+
+
+_PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                     errno.EISDIR}
+_PERMANENT_MARKERS = ("ACCESS_DENIED", "AccessDenied", "NO_SUCH_BUCKET", "NoSuchBucket", "InvalidAccessKeyId",
+                      "SignatureDoesNotMatch")
+
+
+def permanent_cause(e: BaseException) -> BaseException | None:
+    """The error in ``e``'s chain (``e`` itself, or what it was raised from) that retrying cannot fix, or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (PermissionError, IsADirectoryError, NotADirectoryError)):
+            return e
+        if isinstance(e, OSError) and e.errno in _PERMANENT_ERRNOS:
+            return e
+        if any(m in str(e) for m in _PERMANENT_MARKERS):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def is_permanent(e: BaseException) -> bool:
+    """Whether ``e`` (or an error it was raised from) is one that retrying cannot fix."""
+    return permanent_cause(e) is not None
 
 
 @dataclass(frozen=True)
@@ -45,8 +77,9 @@ class RetryPolicy:
 
     def call(self, fn: Callable[[], T], what: str, *, sleep: Callable[[float], None] = time.sleep,
              clock: Callable[[], float] = time.monotonic) -> T:
-        """``fn()``, retried on any exception until it succeeds or the budget is spent (then
-        :class:`RetryBudgetExceeded` naming ``what``, the attempts and the time, with the last error chained)."""
+        """``fn()``, retried on transient errors until it succeeds or the budget is spent (then
+        :class:`RetryBudgetExceeded` naming ``what``, the attempts and the time, with the last error chained).
+        Errors waiting cannot fix (:func:`is_permanent`) raise :class:`PermanentStorageError` at once."""
         t0 = None
         attempt = 0
         delay = self.first_delay_s
@@ -55,7 +88,12 @@ class RetryPolicy:
             attempt += 1
             try:
                 out = fn()
-            except Exception as e:  # noqa: BLE001 - every storage failure is worth a retry within the budget
+            except Exception as e:  # noqa: BLE001 - every transient storage failure is retried within the budget
+                cause = permanent_cause(e)
+                if cause is not None:
+                    why = "" if cause is e else f" ({type(cause).__name__}: {cause})"
+                    raise PermanentStorageError(f"{what} failed: {type(e).__name__}: {e}{why}; not retried: "
+                                                "waiting does not fix it") from e
                 now = clock()
                 if t0 is None:
                     t0 = now
