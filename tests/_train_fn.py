@@ -53,19 +53,6 @@ def train_loop(config: dict) -> None:
                os.path.join(out, f"final-{attempt}.pt"))
 
 
-class _Position:
-    """The loop's data position (extra state): the iteration to run next."""
-
-    def __init__(self):
-        self.pos = 0
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, d):
-        self.pos = int(d["pos"])
-
-
 def continuation_loop(config: dict) -> None:
     """The product's promise in one loop (issue #13): DDP on 2 ranks, top-k with error feedback, dropout, batches
     sampled with each rank's global RNG, a scheduler, a CPU GradScaler with skipped iterations; the iteration
@@ -90,7 +77,7 @@ def continuation_loop(config: dict) -> None:
     opt = T.make_optimizer("adamw", model)
     sched = T.make_scheduler(opt, total=iters)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
-    pos = _Position()
+    pos = T.Position()
     session = ray_ckpt.train.attach(net, opt, scheduler=sched, scaler=scaler, extra_state=pos,
                                     compression_state=topk, full_every=10, batch_steps=4, report_every=10)
     torch.save({"rank": rank, "step": session.start_step, "pos": pos.pos, "restored": session.restored},

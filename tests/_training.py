@@ -128,6 +128,31 @@ def train_step(kind, model, opt, sched, step, rank=0, clip=1.0, reseed=True):
     return float(loss.detach())
 
 
+def reference_states(steps: int, kind: str = "mlp") -> list:
+    """The uninterrupted run's state after every step 0..steps (model, AdamW, the default scheduler)."""
+    model = make_model(kind)
+    opt = make_optimizer("adamw", model)
+    sch = make_scheduler(opt)
+    out = [snapshot(model, opt, sch)]
+    for s in range(steps):
+        train_step(kind, model, opt, sch, s)
+        out.append(snapshot(model, opt, sch))
+    return out
+
+
+class Position:
+    """A loop's data position as ``extra_state``: the iteration to run next."""
+
+    def __init__(self):
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, d):
+        self.pos = int(d["pos"])
+
+
 def snapshot(model, opt, sched=None) -> dict:
     """A deep copy of everything restore must reproduce."""
     return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),

@@ -20,26 +20,13 @@ ITERS = 24
 SKIPS = {4, 9, 10, 17}          # iterations whose loss is inf (9 and 10: two skips in a row)
 
 
-class DataPos:
-    """The loop's data position (extra state)."""
-
-    def __init__(self):
-        self.pos = 0
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, d):
-        self.pos = int(d["pos"])
-
-
 def _objects(seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
-    return model, opt, sched, scaler, DataPos()
+    return model, opt, sched, scaler, T.Position()
 
 
 def _iteration(model, opt, sched, scaler, pos):

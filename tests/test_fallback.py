@@ -25,17 +25,6 @@ def _run(uri, steps, start=0, model=None, opt=None, sch=None, **kw):
     return model, opt, sch
 
 
-def _reference(steps):
-    model = T.make_model("mlp")
-    opt = T.make_optimizer("adamw", model)
-    sch = T.make_scheduler(opt)
-    out = [T.snapshot(model, opt, sch)]
-    for s in range(steps):
-        T.train_step("mlp", model, opt, sch, s)
-        out.append(T.snapshot(model, opt, sch))
-    return out
-
-
 def _restore(uri, step=None, **kw):
     m = T.make_model("mlp", seed=3)
     o = T.make_optimizer("adamw", m)
@@ -51,7 +40,7 @@ def _manifest(uri, pred):
 
 def test_a_missing_object_falls_back_to_the_latest_good_step(tmp_path):
     uri = str(tmp_path / "ckpt")
-    ref = _reference(30)
+    ref = T.reference_states(30)
     _run(uri, 30)
     diff = _manifest(uri, lambda m: m.kind == "diff" and m.first_step <= 25 <= m.last_step)
     open_storage(uri).delete(diff.object)
@@ -67,7 +56,7 @@ def test_a_corrupt_full_in_a_newer_branch_never_returns_the_abandoned_branch(tmp
     the latest good step is 12 of the first run (the state the branch started from), never 30 of the abandoned
     timeline."""
     uri = str(tmp_path / "ckpt")
-    ref = _reference(30)
+    ref = T.reference_states(30)
     _run(uri, 30)
     m, o, sc = T.make_model("mlp", seed=4), None, None
     o = T.make_optimizer("adamw", m)
@@ -96,7 +85,7 @@ def test_fallback_works_with_the_ray_runtime(tmp_path, ray_cluster):  # noqa: F8
     from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
     uri = str(tmp_path / "ckpt")
     run = f"fb-{uuid.uuid4().hex[:8]}"
-    ref = _reference(30)
+    ref = T.reference_states(30)
     try:
         _run(uri, 30, runtime="ray", run=run, replica=False)
         shutdown_run(run)   # memory tier gone; a new coordinator plans from the durable lineage alone

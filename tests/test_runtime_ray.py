@@ -66,7 +66,12 @@ def test_every_step_restorable_from_memory_and_durable_tiers(run_env):
     ck.close()
     st = ray.get(_coord(run).status.remote())
     assert st["recoverable_step"] == 30 and st["durable_step"] == 30
-    assert st["replicated_objects"] > 0  # held on both nodes
+    # held on both nodes: the peer reports its copies to the coordinator on its own thread, after the flush
+    deadline = time.monotonic() + 30
+    while st["replicated_objects"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        st = ray.get(_coord(run).status.remote())
+    assert st["replicated_objects"] > 0, st
     for s in [0, 3, 10, 17, 30]:
         m, o, sc = _fresh()
         assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime="ray", run=run) == s

@@ -26,18 +26,6 @@ from tests import _training as T
 pytestmark = pytest.mark.ray
 
 
-def _reference_states(steps):
-    """The uninterrupted run's state after every step 0..steps."""
-    model = T.make_model("mlp")
-    opt = T.make_optimizer("adamw", model)
-    sch = T.make_scheduler(opt)
-    out = [T.snapshot(model, opt, sch)]
-    for s in range(steps):
-        T.train_step("mlp", model, opt, sch, s)
-        out.append(T.snapshot(model, opt, sch))
-    return out
-
-
 def _fresh():
     model = T.make_model("mlp", seed=77)
     opt = T.make_optimizer("adamw", model)
@@ -84,7 +72,7 @@ def run_env(tmp_path, ray_cluster):  # noqa: F811
 
 def test_replica_writes_the_fulls_and_restores_the_latest_step_with_zero_replay(run_env):
     run, uri = run_env
-    ref = _reference_states(50)
+    ref = T.reference_states(50)
     model, opt, sch = T.make_model("mlp"), None, None
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
@@ -116,7 +104,7 @@ def test_replica_writes_the_fulls_and_restores_the_latest_step_with_zero_replay(
 
 def test_batches_are_one_actor_call_each_and_stay_whole(run_env):
     run, uri = run_env
-    ref = _reference_states(40)
+    ref = T.reference_states(40)
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
@@ -178,7 +166,7 @@ def _trainer_on_new_node(cluster, uri, run, **kw):
 
 def test_killed_node_worker_then_lost_node_leave_no_hole(run_env, ray_cluster):
     run, uri = run_env
-    ref = _reference_states(30)
+    ref = T.reference_states(30)
     node, tr = _trainer_on_new_node(ray_cluster, uri, run, full_every=10, batch_steps=4)
     try:
         assert ray.get(tr.train.remote(30, kill_worker_at=12), timeout=300) == 30
@@ -193,7 +181,7 @@ def test_killed_node_worker_then_lost_node_leave_no_hole(run_env, ray_cluster):
 
 def test_removed_trainer_node_restores_latest_from_the_replica_with_zero_replay(run_env, ray_cluster):
     run, uri = run_env
-    ref = _reference_states(25)
+    ref = T.reference_states(25)
     node, tr = _trainer_on_new_node(ray_cluster, uri, run, full_every=100, batch_steps=5)
     try:
         assert ray.get(tr.train.remote(25), timeout=300) == 25
@@ -240,7 +228,7 @@ def test_a_new_replica_that_lands_on_the_trainers_node_is_placed_again(run_env, 
 
 def test_killed_replica_is_rebuilt_and_follows_again(run_env):
     run, uri = run_env
-    ref = _reference_states(40)
+    ref = T.reference_states(40)
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
@@ -268,7 +256,7 @@ def test_killed_replica_is_rebuilt_and_follows_again(run_env):
 def test_a_forced_gap_is_logged_shown_and_closed_by_a_full(run_env, caplog, capsys, monkeypatch):
     run, uri = run_env
     N = 300
-    ref = _reference_states(N)
+    ref = T.reference_states(N)
     from ray_ckpt.runtime import sink as sink_mod
     real_send = sink_mod.RaySink._send
     dropped = []
@@ -316,7 +304,7 @@ def test_a_forced_gap_is_logged_shown_and_closed_by_a_full(run_env, caplog, caps
 
 def test_durable_diffs_fulls_keeps_diffs_in_memory_on_two_nodes_and_writes_fulls(run_env, capsys):
     run, uri = run_env
-    ref = _reference_states(25)
+    ref = T.reference_states(25)
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)

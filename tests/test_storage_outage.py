@@ -113,17 +113,6 @@ def _target(s3_server, proxy, name):
                                  connect_timeout=1.0, request_timeout=5.0)
 
 
-def _reference(steps):
-    model = T.make_model("mlp")
-    opt = T.make_optimizer("adamw", model)
-    sch = T.make_scheduler(opt)
-    out = [T.snapshot(model, opt, sch)]
-    for s in range(steps):
-        T.train_step("mlp", model, opt, sch, s)
-        out.append(T.snapshot(model, opt, sch))
-    return out
-
-
 def _train_through_outage(ck, model, opt, sch, proxy, steps=40, down_at=10, up_at=30, outage_s=OUTAGE_S):
     """Steps 0..down_at-1 normally; then the endpoint goes down; steps until up_at run during the outage (as
     fast as backpressure allows, spread over it); the endpoint comes back after OUTAGE_S; then the rest."""
@@ -154,7 +143,7 @@ def _assert_every_step(uri, opts, ref, steps, **kw):
 @pytest.mark.s3
 def test_a_20s_outage_costs_time_not_data_local_runtime(s3_server, outage, caplog):
     uri, opts = _target(s3_server, outage, "outage-local")
-    ref = _reference(40)
+    ref = T.reference_states(40)
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
@@ -196,7 +185,7 @@ def test_an_outage_costs_time_not_data_ray_runtime(s3_server, outage, ray_cluste
     from ray_ckpt.runtime.coordinator import shutdown_run
     uri, opts = _target(s3_server, outage, "outage-ray")
     run = f"outage-{uuid.uuid4().hex[:8]}"
-    ref = _reference(40)
+    ref = T.reference_states(40)
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)

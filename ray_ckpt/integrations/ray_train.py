@@ -265,9 +265,9 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
     from ray_ckpt.runtime.client import resolve_step
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not group:
-        try:
+        try:   # fallback as below: a missing or corrupt object costs steps (each logged), not the run
             return restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
-                           scaler=scaler, runtime=runtime, run=run), True
+                           scaler=scaler, runtime=runtime, run=run, fallback=True), True
         except NoCheckpointError as e:
             log.info("ray_ckpt: run %r starts from scratch (%s)", run, e)
             return 0, False
