@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_ckpt.engine.capture import CaptureBase, set_rng_state
-from ray_ckpt.engine.restore import load_chain, load_lineage
+from ray_ckpt.engine.capture import CaptureBase
+from ray_ckpt.engine.restore import apply_loop, load_chain, load_lineage
 from ray_ckpt.engine.strategy import LowDiffImpl, register
 from ray_ckpt.engine.writer import AsyncWriter
 from ray_ckpt.format.records import FullState, StepRecord
@@ -173,11 +173,9 @@ def load_rank_loop(storage, rank: int, main_generation: int, step: int) -> dict:
 
 
 def apply_rank_loop(loop: dict, *, extra_state: Any = None, restore_rng: bool = True) -> None:
-    """Install a rank's own loop state (after the replicated state was restored). Training process."""
-    if extra_state is not None and "extra" in loop:
-        extra_state.load_state_dict(loop["extra"])
-    if restore_rng and "rng" in loop:
-        set_rng_state(loop["rng"])
+    """Install a rank's own loop state (after the replicated state was restored). Training process. A rank's
+    loop state holds no param groups, scheduler or scaler, so :func:`apply_loop` sets extra state and RNG only."""
+    apply_loop(loop, None, extra_state=extra_state, restore_rng=restore_rng)
 
 
 def derive_rng(rank: int) -> int:

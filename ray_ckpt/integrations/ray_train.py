@@ -37,7 +37,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from ray_ckpt import storage as _storage
 from ray_ckpt.config import CheckpointConfig
-from ray_ckpt.api import Checkpointer, restore
+from ray_ckpt.api import Checkpointer, _unwrap, restore
 from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
@@ -367,13 +367,9 @@ def _record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state
     dist.broadcast_object_list(gen, src=0)
     if rank == 0:
         return None
-    return RankLoopRecorder(storage, rank, _unwrap_ddp(model), optimizer, main_generation=gen[0],
+    return RankLoopRecorder(storage, rank, _unwrap(model), optimizer, main_generation=gen[0],
                             start_step=start, extra_state=extra_state, full_every=full_every,
                             batch_steps=batch_steps)
-
-
-def _unwrap_ddp(model):
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _resolve_storage(run: str, storage_uri, storage_options):
