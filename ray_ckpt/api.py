@@ -232,6 +232,10 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     """Restore ``model``, ``optimizer`` (and scheduler, scaler, extra state, RNG) to ``step`` (None = latest
     committed) from ``uri``; returns the restored step. Runs in the calling (training) process.
 
+    ``uri`` may also be a Ray Train ``Checkpoint`` reported by :func:`ray_ckpt.train.attach` (e.g.
+    ``result.checkpoint`` after ``trainer.fit()``): a pointer naming the lineage and a step, which is restored
+    unless ``step`` is given (``storage_options`` still carry credentials: the pointer holds none).
+
     The result is what the training loop had right before its ``(step+1)``-th ``optimizer.step()``.
     With ``fallback=True`` a missing or corrupt object or a malformed manifest is logged and skipped, and the
     latest good step at or before the request (on the same timeline) is restored instead of raising; with
@@ -243,6 +247,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     t0 = time.perf_counter()
     model = _unwrap(model)
     check_not_attached(optimizer)
+    uri, step = _from_pointer(uri, step)
     storage = open_uri(uri, storage_options)
     chain = None
     if runtime == "ray":
@@ -267,6 +272,55 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     log.info("ray_ckpt: restored step %d (full %d + %d diffs) from %s in %.3f s", out, chain.full.step,
              len(chain.records), storage.describe(), time.perf_counter() - t0)
     return out
+
+
+POINTER_FILE = "ray_ckpt_pointer.json"
+
+
+def _from_pointer(uri, step: int | None) -> tuple[Any, int | None]:
+    """``(uri, step)`` named by a pointer checkpoint (anything with ``as_directory()`` holding
+    :data:`POINTER_FILE`); other ``uri`` values pass through."""
+    as_directory = getattr(uri, "as_directory", None)
+    if not callable(as_directory):
+        return uri, step
+    import json
+    with as_directory() as d:
+        path = os.path.join(d, POINTER_FILE)
+        if not os.path.exists(path):
+            raise ValueError(f"{uri!r} is not a ray_ckpt pointer checkpoint (no {POINTER_FILE}): was it reported "
+                             f"by ray_ckpt.train.attach?")
+        with open(path) as f:
+            ptr = json.load(f)
+    return ptr["storage_uri"], (ptr["step"] if step is None else step)
+
+
+def export(uri: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, format: str = "safetensors",
+           storage_options: dict | None = None, fallback: bool = False, overwrite: bool = False) -> dict:
+    """Write step ``step`` (None = latest) of the lineage at ``uri`` to the directory ``out`` as ``safetensors``
+    (model and optimizer files), ``dcp`` (a PyTorch Distributed Checkpoint) or ``torch`` (``checkpoint.pt``),
+    without the model's code (see :mod:`ray_ckpt.engine.export`). Returns what was written. ``uri`` may be a
+    pointer checkpoint as in :func:`restore`. Progress is logged (logger ``ray_ckpt``). Calling process."""
+    from ray_ckpt.engine import export as _export
+    uri, step = _from_pointer(uri, step)
+    storage = open_uri(uri, storage_options)
+    last = {"t": 0.0}
+
+    def progress(phase: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - last["t"] >= 2.0 or (total and done == total):
+            last["t"] = now
+            log.info("ray_ckpt: export %s: %d%s", phase, done, f"/{total}" if total else "")
+
+    return _export.export(storage, out, step=step, fmt=format, fallback=fallback, overwrite=overwrite,
+                          progress=progress)
+
+
+def load_export(path: str | os.PathLike) -> dict:
+    """An export written by :func:`export` / ``ray-ckpt export``, any format: ``{"step", "model",
+    "optimizer", "param_names", "loop"}`` with ``optimizer`` keyed as ``optimizer.state_dict()`` keys it, ready
+    for ``model.load_state_dict`` / ``optimizer.load_state_dict``. Calling process."""
+    from ray_ckpt.engine.export import load_export as _load
+    return _load(path)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

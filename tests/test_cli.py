@@ -49,6 +49,6 @@ def test_errors_are_clear(tmp_path):
     r = _run("ls", "gopher://x/y")
     assert r.returncode == 1 and "gopher" in r.stderr
     r = _run("ls", tmp_path / "nothing")
-    assert r.returncode == 1 and "latest recoverable step None" in r.stdout
+    assert r.returncode == 1 and "no checkpoint lineage" in r.stderr and r.stdout == ""
     r = _run("ls", tmp_path, "-o", "novalue")
     assert r.returncode != 0

@@ -1,10 +1,19 @@
-"""``ray-ckpt``: inspect and verify a checkpoint lineage on storage. Engine + lineage + storage only: no cluster,
-no model code needed. Runs in the calling process.
+"""``ray-ckpt``: inspect, verify, export and garbage-collect a checkpoint lineage on storage. Engine + lineage +
+storage only: no cluster, no model code needed. Runs in the calling process.
 
     ray-ckpt ls URI                 generations, objects and the recoverable steps
     ray-ckpt inspect URI [--step S] the recovery plan for a step (default: the latest) and the adaptive
                                     policy's latest decision with its reason
     ray-ckpt verify URI             read every committed object, check size, checksum and structure
+    ray-ckpt export URI OUT [--step S] [--format safetensors|dcp|torch]
+                                    materialize a step (full + replay, no model code) into the directory OUT
+    ray-ckpt restore URI OUT [--step S]
+                                    the same as ``export --format torch`` (OUT/checkpoint.pt: model, optimizer,
+                                    scheduler/RNG/extra state as torch.save'd dicts)
+    ray-ckpt gc URI --keep-fulls K [--dry-run]
+                                    delete chains older than the K newest full checkpoints
+
+Long commands show progress bars on a terminal (``-q`` silences them).
 
 Storage options (S3 endpoint, credentials) are given as ``-o key=value`` (repeatable) or in the URI's query.
 Exit status: 0 on success, 1 when verification finds a corrupt object or nothing is recoverable, 2 on usage.
@@ -13,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
+from ray_ckpt.engine import export as _export
+from ray_ckpt.engine import gc as _gc
 from ray_ckpt.engine.restore import load_lineage, read_object
 from ray_ckpt.engine.strategy import impl_by_name
 from ray_ckpt.format import records as rec_fmt
@@ -73,6 +85,10 @@ def cmd_ls(storage, args) -> int:
                      "gaps": "-" if lazy else _ranges(lineage.uncovered_steps(gen)),
                      "durable_diffs": "fulls" if lazy else "all"})
     head = lineage.head()
+    if not lineage.manifests and not bad and not args.json:
+        print(f"ray-ckpt: no checkpoint lineage at {storage.describe()} (nothing committed there)",
+              file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"uri": storage.describe(), "head": head, "generations": rows,
                           "malformed_manifests": bad}, indent=2))
@@ -130,6 +146,7 @@ def cmd_verify(storage, args) -> int:
     total = len(lineage.manifests)
     t0 = time.perf_counter()
     nbytes = 0
+    bar = _bar(args, total=total, desc="verify", unit="obj")
     for i, m in enumerate(lineage.manifests, 1):
         try:
             data = read_object(storage, m)
@@ -142,13 +159,110 @@ def cmd_verify(storage, args) -> int:
         except (CorruptObjectError, StorageError, ValueError) as e:
             failures.append(f"{m.object}: {e}")
             status = "CORRUPT"
-        if not args.quiet:
+        if bar is not None:
+            bar.update(1)
+            if status != "ok":
+                bar.write(f"{status:7s} {m.object}", file=sys.stderr)
+        elif not args.quiet:
             print(f"[{i}/{total}] {status:7s} {m.object}", file=sys.stderr, flush=True)
+    if bar is not None:
+        bar.close()
     dt = time.perf_counter() - t0
     print(f"verified {total - len(failures)}/{total} objects ({_human(nbytes)}) in {dt:.2f} s")
     for f in failures:
         print(f"  {f}")
     return 1 if failures else 0
+
+
+def _bar(args, **kw):
+    """A tqdm bar on stderr when it is a terminal and not ``--quiet``; None otherwise."""
+    if getattr(args, "quiet", False) or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno())
+    except OSError:
+        size = None
+    # a terminal that reports no size (0x0: some pseudo-terminals, serial consoles) would get hidden bars
+    sized = size is not None and size.columns and size.lines
+    return tqdm(file=sys.stderr, **({"dynamic_ncols": True} if sized else {"ncols": 80, "nrows": 24}), **kw)
+
+
+class _PhaseBars:
+    """``progress(phase, done, total)`` of :mod:`ray_ckpt.engine.export` as one bar per phase."""
+
+    def __init__(self, args):
+        self.args = args
+        self.bars: dict = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        bar = self.bars.get(phase)
+        if bar is None:
+            bar = self.bars[phase] = _bar(self.args, total=total or None, desc=phase,
+                                          unit="obj" if phase == "read" else "step")
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    def close(self) -> None:
+        for b in self.bars.values():
+            if b is not None:
+                b.close()
+
+
+def cmd_export(storage, args) -> int:
+    fmt = getattr(args, "format", None) or "torch"
+    bars = _PhaseBars(args)
+    t0 = time.perf_counter()
+    try:
+        info = _export.export(storage, args.out, step=args.step, fmt=fmt, fallback=args.fallback,
+                              overwrite=args.force, progress=bars)
+    except (_export.ExportError, NoCheckpointError, CorruptObjectError) as e:
+        bars.close()
+        print(f"ray-ckpt: {e}", file=sys.stderr)
+        return 1
+    bars.close()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"step {info['step']} (generation {info['generation']}) of {info['source']} -> {args.out} "
+              f"[{fmt}: {', '.join(info['files'])}] in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def cmd_gc(storage, args) -> int:
+    bar = None
+
+    def progress(done, total):
+        nonlocal bar
+        if bar is None:
+            bar = _bar(args, total=total, desc="gc", unit="obj")
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        res = _gc.collect(storage, args.keep_fulls, dry_run=args.dry_run, progress=progress)
+    except ValueError as e:
+        print(f"ray-ckpt: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.close()
+    objects = [m.object for m in res.deleted] + [f"ranks/{r}/{m.object}" for r, ms in res.rank_deleted.items()
+                                                 for m in ms]
+    if args.json:
+        print(json.dumps({"dry_run": res.dry_run, "kept_from_step": res.kept_from_step, "objects": objects,
+                          "bytes": res.nbytes}, indent=2))
+        return 0
+    if res.kept_from_step is None:
+        print(f"nothing to collect: at most {args.keep_fulls} full checkpoints in {storage.describe()}")
+        return 0
+    verb = "would delete" if res.dry_run else "deleted"
+    print(f"kept the {args.keep_fulls} newest fulls (steps >= {res.kept_from_step}); {verb} {res.count} objects "
+          f"({_human(res.nbytes)})")
+    if res.dry_run:
+        for o in objects:
+            print(f"  {o}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +280,29 @@ def main(argv: list[str] | None = None) -> int:
         if name == "verify":
             p.add_argument("-q", "--quiet", action="store_true", help="no per-object progress")
         p.set_defaults(fn=fn)
+    for name, help_ in (("export", "materialize a step into a directory (safetensors, PyTorch DCP or torch.save)"),
+                        ("restore", "materialize a step into OUT/checkpoint.pt (export --format torch)")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("uri", help="storage root: a path, file://..., or s3://bucket/prefix")
+        p.add_argument("out", help="output directory (must not exist or be empty, unless --force)")
+        p.add_argument("--step", type=int, default=None, help="the step (default: the latest recoverable)")
+        if name == "export":
+            p.add_argument("--format", choices=_export.FORMATS, default="safetensors")
+        p.add_argument("--force", action="store_true", help="replace an existing OUT")
+        p.add_argument("--fallback", action="store_true",
+                       help="skip missing or corrupt objects: the latest good step at or before --step")
+        p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE")
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("gc", help="delete chains older than the K newest full checkpoints")
+    p.add_argument("uri", help="storage root: a path, file://..., or s3://bucket/prefix")
+    p.add_argument("--keep-fulls", type=int, required=True, metavar="K")
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted; delete nothing")
+    p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_gc)
     args = parser.parse_args(argv)
     try:
         storage = open_storage(args.uri, **_options(args.storage_option))

@@ -371,7 +371,8 @@ class AmberCapture(CaptureBase):
             return self._copy.tree(x)
 
         model_sd = {k: cp(v) for k, v in self.model.state_dict(keep_vars=True).items()}
-        return FullState(step=step, model=model_sd, optimizer=cp(self.optimizer.state_dict()), loop=loop)
+        return FullState(step=step, model=model_sd, optimizer=cp(self.optimizer.state_dict()), loop=loop,
+                         layout=self.layout())
 
     def snapshot_now(self) -> FullState:
         """The attach full; its host copies also become the encoder's first saved values."""

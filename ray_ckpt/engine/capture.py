@@ -359,12 +359,17 @@ class CaptureBase:
         opt_sd = self._copy.tree(self.optimizer.state_dict())
         self.full_snapshots += 1
         self.last_snapshot_seconds = time.perf_counter() - t0  # read by the adaptive policy's cost model
+        return FullState(step=step, model=model_sd, optimizer=opt_sd, loop=loop, layout=self.layout())
+
+    def layout(self) -> dict | None:
+        """The optimizer layout recorded with every full (:func:`optimizer_layout`; None when an optimizer
+        parameter is not a model parameter), computed once."""
         if self._layout is False:
             try:
                 self._layout = optimizer_layout(self.model, self.optimizer)
             except ShadowError:
                 self._layout = None
-        return FullState(step=step, model=model_sd, optimizer=opt_sd, loop=loop, layout=self._layout)
+        return self._layout
 
     def _attach_loop(self) -> dict:
         loop: dict[str, Any] = {}

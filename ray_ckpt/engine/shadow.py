@@ -66,39 +66,46 @@ def _import_class(path: str):
     return obj
 
 
+def rebuild(full: FullState) -> tuple[_TensorModule, torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """Model (a :class:`_TensorModule` keyed by state-dict names) and optimizer over CPU copies of ``full``'s
+    tensors, loaded with :func:`load_full`, without the user's code: from :attr:`FullState.layout`. Returns the
+    optimizer's parameters too (in ``param_groups`` order). Used by the shadow and by offline export."""
+    if full.layout is None:
+        raise ShadowError("the full checkpoint has no layout (taken by an older ray_ckpt)")
+    cls = _import_class(full.layout["optimizer_class"])
+    tensors = {k: v.detach().to("cpu").clone() for k, v in full.model.items()}
+    params: list[torch.nn.Parameter] = []
+    param_keys: set[str] = set()
+    for names in full.layout["param_names"]:
+        if any(n not in tensors for n in names):
+            raise ShadowError(f"parameter {names[0]!r} is not in the full checkpoint's model state")
+        p = torch.nn.Parameter(tensors[names[0]], requires_grad=True)
+        for n in names:                       # tied parameters: one tensor under every key
+            tensors[n] = p
+            param_keys.add(n)
+        params.append(p)
+    groups = full.optimizer.get("param_groups", [])
+    if sum(len(g["params"]) for g in groups) != len(params):
+        raise ShadowError("the optimizer's param groups do not match the recorded parameters")
+    try:
+        optimizer = cls([{**{k: v for k, v in g.items() if k != "params"},
+                          "params": [params[i] for i in g["params"]]} for g in groups])
+    except Exception as e:  # noqa: BLE001 - an optimizer whose constructor needs more than its groups
+        raise ShadowError(f"cannot rebuild {full.layout['optimizer_class']} from its param groups: {e}") from e
+    model = _TensorModule(tensors, param_keys)
+    load_full(full, model, optimizer)
+    return model, optimizer, params
+
+
 class ShadowState:
     """Model + optimizer state on the CPU of this process, at :attr:`step`, advanced by :meth:`apply`."""
 
     def __init__(self, full: FullState, strategy: str = "lowdiff"):
-        if full.layout is None:
-            raise ShadowError("the full checkpoint has no layout (taken by an older ray_ckpt)")
         if strategy != "lowdiff":
             raise ShadowError(f"the state tier follows LowDiff step records, not {strategy!r} increments")
         self.strategy = strategy
         self.layout = full.layout
-        cls = _import_class(full.layout["optimizer_class"])
-        tensors = {k: v.detach().to("cpu").clone() for k, v in full.model.items()}
-        params: list[torch.nn.Parameter] = []
-        param_keys: set[str] = set()
-        for names in full.layout["param_names"]:
-            if any(n not in tensors for n in names):
-                raise ShadowError(f"parameter {names[0]!r} is not in the full checkpoint's model state")
-            p = torch.nn.Parameter(tensors[names[0]], requires_grad=True)
-            for n in names:                       # tied parameters: one tensor under every key
-                tensors[n] = p
-                param_keys.add(n)
-            params.append(p)
-        groups = full.optimizer.get("param_groups", [])
-        if sum(len(g["params"]) for g in groups) != len(params):
-            raise ShadowError("the optimizer's param groups do not match the recorded parameters")
-        try:
-            self.optimizer = cls([{**{k: v for k, v in g.items() if k != "params"},
-                                   "params": [params[i] for i in g["params"]]} for g in groups])
-        except Exception as e:  # noqa: BLE001 - an optimizer whose constructor needs more than its groups
-            raise ShadowError(f"cannot rebuild {full.layout['optimizer_class']} from its param groups: {e}") from e
-        self.model = _TensorModule(tensors, param_keys)
-        self.params = params
-        load_full(full, self.model, self.optimizer)
+        self.model, self.optimizer, self.params = rebuild(full)
         self.step = full.step
         self.loop = dict(full.loop)
 

@@ -37,14 +37,12 @@ from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from ray_ckpt import storage as _storage
 from ray_ckpt.config import CheckpointConfig
-from ray_ckpt.api import Checkpointer, _unwrap, restore
+from ray_ckpt.api import POINTER_FILE, Checkpointer, _unwrap, restore
 from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
 
 log = logging.getLogger("ray_ckpt")
-
-POINTER_FILE = "ray_ckpt_pointer.json"
 
 
 class RayCkptCallback(ControllerCallback):

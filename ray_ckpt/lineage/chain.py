@@ -190,3 +190,18 @@ class Lineage:
 
     def _full(self, gen: int, step: int) -> Manifest:
         return next(m for m in self._gens[gen] if m.kind == "full" and m.last_step == step)
+
+
+def gc_cutoff(manifests: Iterable[Manifest], keep_fulls: int) -> Manifest | None:
+    """The oldest full checkpoint kept when only the ``keep_fulls`` newest fulls (by step, then generation) and
+    what they need are kept; None when there is nothing to collect. Pure."""
+    if keep_fulls < 1:
+        raise ValueError(f"keep_fulls must be >= 1, got {keep_fulls}")
+    fulls = sorted((m for m in manifests if m.kind == "full"), key=lambda m: (m.last_step, m.generation))
+    return fulls[-keep_fulls] if len(fulls) > keep_fulls else None
+
+
+def collectable(m: Manifest, cutoff: Manifest) -> bool:
+    """Whether ``m`` only serves steps before the kept full ``cutoff`` (of its generation or older ones): no
+    plan for a step at or after ``cutoff`` reads it. Pure."""
+    return m.last_step < cutoff.last_step and m.generation <= cutoff.generation

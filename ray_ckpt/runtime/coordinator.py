@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import ray
 
 from ray_ckpt.engine.restore import load_lineage
-from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError
+from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, gc_cutoff
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
 from ray_ckpt.lineage import index as _lineage_index  # [lineage index #14]
@@ -464,15 +464,10 @@ class Coordinator:
     def gc(self, keep_fulls: int = 2) -> list[str]:
         """Delete chains older than the ``keep_fulls`` newest full checkpoints of the current timeline, from
         storage and from the memory tier. Returns the deleted object names."""
-        lin = self._lineage(durable_only=True)  # only durable fulls count as kept
-        fulls = sorted((m for m in lin.manifests if m.kind == "full"),
-                       key=lambda m: (m.last_step, m.generation))
-        if len(fulls) <= keep_fulls:
+        cutoff = gc_cutoff(self._lineage(durable_only=True).manifests, keep_fulls)  # only durable fulls are kept
+        if cutoff is None:
             return []
-        oldest_kept = fulls[-keep_fulls]
-        doomed = [e for e in self.entries.values()
-                  if e.manifest.last_step < oldest_kept.last_step
-                  and e.manifest.generation <= oldest_kept.generation]
+        doomed = [e for e in self.entries.values() if collectable(e.manifest, cutoff)]
         deleted = []
         for e in doomed:
             m = e.manifest
