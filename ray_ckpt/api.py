@@ -97,7 +97,7 @@ class Checkpointer:
                                        max_pending_bytes=self.config.max_pending_bytes,
                                        write_retries=self.config.write_retries,
                                        write_timeout=self.config.write_timeout, info=info,
-                                       index=lineage.manifests,
+                                       index=lineage.manifests, keep_fulls=self.config.keep_fulls,
                                        on_commit=self._observe_commit if self._tuner is not None else None)
         else:
             from ray_ckpt.runtime.client import attach_sink
@@ -107,6 +107,9 @@ class Checkpointer:
         self._capture = impl.make_capture(model, optimizer, self._writer, policy, start_step=start_step,
                                           scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                                           capture_rng=self.config.capture_rng, fingerprint_every=fp_every)
+        attach_capture = getattr(self._writer, "attach_capture", None)
+        if attach_capture is not None:  # runtime="ray": the sender publishes the capture's Ray metrics
+            attach_capture(self._capture, start_step)
         self._closed = False
         self._start_step = start_step
         try:
@@ -269,8 +272,12 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
         chain = resolve_and_load(storage, step, fallback=fallback)
     out = apply_chain(chain, model, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                       restore_rng=restore_rng)
+    dt = time.perf_counter() - t0
     log.info("ray_ckpt: restored step %d (full %d + %d diffs) from %s in %.3f s", out, chain.full.step,
-             len(chain.records), storage.describe(), time.perf_counter() - t0)
+             len(chain.records), storage.describe(), dt)
+    if runtime == "ray":
+        from ray_ckpt.runtime.client import record_restore
+        record_restore(storage, run, dt)
     return out
 
 

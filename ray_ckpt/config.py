@@ -185,8 +185,9 @@ class CheckpointConfig:
     #: runtime="ray": bytes each node's PersistenceWorker may hold in the object store (durable objects are
     #: released oldest first beyond it; the newest full is kept)
     memory_budget: int = 2 * _GiB
-    #: runtime="ray": keep only the chains of the newest this-many durable full checkpoints (older fulls and
-    #: their diffs are deleted from storage and memory by the coordinator); 0 keeps everything
+    #: keep only the chains of the newest this-many durable full checkpoints of the current timeline (older fulls
+    #: and their diffs, and abandoned branches, are deleted: by the coordinator from storage and memory with
+    #: runtime="ray", by the writer thread after each full with runtime="local"); 0 keeps everything
     keep_fulls: int = 0
     #: runtime="ray": the longest a captured step waits in the training process before it is handed to the
     #: node's persistence worker (seconds). Steps are handed over ``batch_steps`` at a time or after this

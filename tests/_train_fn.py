@@ -105,3 +105,71 @@ def continuation_loop(config: dict) -> None:
                 "scaler": scaler.state_dict(), "rng": torch.get_rng_state(), "pos": pos.pos,
                 "residuals": {k: v.clone() for k, v in residuals.items()}},
                os.path.join(out, f"final-{rank}.pt"))
+
+
+LOADER_ROWS, LOADER_BATCH, LOADER_EPOCHS = 128, 8, 3
+
+
+def loader_training(session_factory, config: dict) -> dict:
+    """An epoch loop over torchdata's StatefulDataLoader (shuffled) with the loader and the epoch counter as
+    extra state; reports the user's metrics every 5 steps through ``session.report`` when there is one.
+    ``session_factory(model, opt, extra_state)`` attaches (Ray Train) or returns None (the reference).
+    Returns the final state."""
+    from torch.utils.data import TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from tests import _training as T
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(11)
+    ds = TensorDataset(torch.randn(LOADER_ROWS, 32, generator=g), torch.randint(0, 8, (LOADER_ROWS,), generator=g))
+    # StatefulDataLoader's shuffling sampler seeds its own generator from the global RNG when it is built, and
+    # saves that generator's state with the loader's: seed first (as a reproducible job does)
+    torch.manual_seed(5)
+    loader = StatefulDataLoader(ds, batch_size=LOADER_BATCH, shuffle=True)
+    epoch = T.Position()
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    session = session_factory(model, opt, {"loader": loader, "epoch": epoch})
+    step = session.start_step if session is not None else 0
+    while epoch.pos < LOADER_EPOCHS:
+        for x, y in loader:
+            if session is not None and step == config.get("kill_at"):
+                marker = os.path.join(config["out"], "killed")
+                if not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            step += 1
+            if session is not None:
+                if step % 5 == 0:
+                    session.report({"loss": float(loss), "epoch": epoch.pos, "my_step": step})
+                time.sleep(config.get("step_sleep", 0))
+        epoch.pos += 1
+    if session is not None:
+        session.close()
+    return {"step": step, "state": T.snapshot(model, opt)}
+
+
+def loader_loop(config: dict) -> None:
+    import ray.train
+
+    import ray_ckpt.train
+
+    def attach(model, opt, extra):
+        return ray_ckpt.train.attach(model, opt, extra_state=extra, full_every=10, batch_steps=4, report_every=10)
+
+    session_start = {}
+
+    def factory(model, opt, extra):
+        s = attach(model, opt, extra)
+        session_start.update(step=s.start_step, restored=s.restored)
+        return s
+
+    out = loader_training(factory, config)
+    attempt = f"{int(time.time() * 1000)}-{os.getpid()}"
+    torch.save({**out, "start": session_start, "rank": ray.train.get_context().get_world_rank()},
+               os.path.join(config["out"], f"final-{attempt}.pt"))

@@ -52,3 +52,19 @@ def test_errors_are_clear(tmp_path):
     assert r.returncode == 1 and "no checkpoint lineage" in r.stderr and r.stdout == ""
     r = _run("ls", tmp_path, "-o", "novalue")
     assert r.returncode != 0
+
+
+def test_inspect_plot_draws_generations_and_inspect_json(tmp_path):
+    uri = tmp_path / "ckpt"
+    _lineage(uri)
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    assert ray_ckpt.restore(uri, model, opt, step=7) == 7           # a branch: generation 2 starts at step 7
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=5, batch_steps=3):
+        for s in range(7, 10):
+            T.train_step("mlp", model, opt, None, s)
+    r = _run("inspect", uri, "--plot", tmp_path / "lineage.png", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "2 generations" in r.stderr and json.loads(r.stdout)["generation"] == 2
+    png = (tmp_path / "lineage.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

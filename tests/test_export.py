@@ -72,6 +72,27 @@ def test_safetensors_loads_with_the_ecosystems_tools(gpt_run, tmp_path):
     T.assert_same(fresh.state_dict(), ref[STEPS]["model"], "safetensors.load_file")
 
 
+def test_the_examples_gpt_exports_to_safetensors_and_loads_strict(tmp_path):
+    """The README's model (examples/gpt.py) trained a few steps: its export loads into a fresh GPT."""
+    from safetensors.torch import load_file
+
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("tiny")
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with ray_ckpt.Checkpointer(tmp_path / "c", model, opt, full_every=4, batch_steps=2):
+        for s in range(6):
+            x = torch.randint(0, cfg.vocab, (2, cfg.seq + 1), generator=torch.Generator().manual_seed(s))
+            opt.zero_grad()
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+    ray_ckpt.export(tmp_path / "c", tmp_path / "st")
+    fresh = GPT(cfg)
+    fresh.load_state_dict(load_file(str(tmp_path / "st" / "model.safetensors")), strict=True)
+    T.assert_same(fresh.state_dict(), model.state_dict(), "examples.gpt via safetensors")
+
+
 def test_dcp_export_loads_with_torch_distributed_checkpoint(gpt_run, tmp_path):
     import torch.distributed.checkpoint as dcp
     uri, ref = gpt_run
@@ -214,3 +235,44 @@ def test_progress_bars_on_a_terminal_only_and_quiet(gpt_run, tmp_path):
     assert rc == 0 and "verify" in shown and "%|" in shown, shown
     rc, shown = _pty_run("export", uri, tmp_path / "q", "--format", "torch", "--quiet")
     assert rc == 0 and shown.strip() == "", shown
+
+
+def test_branches_and_gc_keep_what_the_live_timeline_needs(tmp_path):
+    """Resume from an older step, then from a step of that branch: restores pick the right branch; runtime="local"
+    keep_fulls and offline gc delete older chains and abandoned branches, never a step of the live timeline."""
+    from tests._training import reference_states
+    uri = tmp_path / "c"
+    ref = reference_states(40)
+
+    def run(start, stop, **kw):
+        model = T.make_model("mlp")
+        opt = T.make_optimizer("adamw", model)
+        sch = T.make_scheduler(opt)
+        if start:
+            assert ray_ckpt.restore(uri, model, opt, scheduler=sch, step=start) == start
+        with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=5, batch_steps=2, **kw):
+            for s in range(start, stop):
+                T.train_step("mlp", model, opt, sch, s)
+
+    run(0, 30)                       # generation 1: 0..30
+    run(12, 25)                      # generation 2 branches at 12 (steps 13..30 of generation 1 are abandoned)
+    run(18, 40, keep_fulls=2)        # generation 3 branches at 18 of generation 2; keeps 2 fulls while it runs
+    ls = json.loads(_run("ls", uri, "--json").stdout)
+    assert ls["head"] == 40
+    for step in (35, 36, 40):        # the live timeline from the kept fulls on restores, bitwise
+        m = T.make_model("mlp", seed=5)
+        o = T.make_optimizer("adamw", m)
+        s_ = T.make_scheduler(o)
+        assert ray_ckpt.restore(uri, m, o, scheduler=s_, step=step) == step
+        T.assert_same(ref[step], T.snapshot(m, o, s_), f"step {step} after gc")
+    names = {p.name for p in (uri / "objects").iterdir()}
+    assert not any(n.startswith("g000001-") for n in names), sorted(names)      # older chains and branches gone
+    assert not any(n.startswith("g000002-") for n in names), sorted(names)
+    assert sorted(n for n in names if "-full-" in n) == ["g000003-full-000000000035.rckpt",
+                                                         "g000003-full-000000000040.rckpt"], sorted(names)
+    r = _run("gc", uri, "--keep-fulls", 1, "--json")
+    got = json.loads(r.stdout)
+    assert got["kept_from_step"] == 40 and all("g000003" in o for o in got["objects"])
+    m = T.make_model("mlp", seed=5)
+    o = T.make_optimizer("adamw", m)
+    assert ray_ckpt.restore(uri, m, o) == 40

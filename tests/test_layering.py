@@ -1,4 +1,4 @@
-"""Layers only import downwards (ARCHITECTURE.md): checked on the source's import statements."""
+"""Layers only import downwards (docs/architecture.md): checked on the source's import statements."""
 from __future__ import annotations
 
 import ast

@@ -198,3 +198,50 @@ def test_gc_keeps_the_newest_fulls(run_env):
     T.assert_same(_reference(13), T.snapshot(m, o, sc), "after gc")
     with pytest.raises(ray_ckpt.NoCheckpointError):
         ray_ckpt.restore(uri, *_fresh()[:2], step=5)
+
+
+def _scrape(run: str) -> dict:
+    """``{metric name: value}`` of every ray_ckpt metric with ``run="<run>"`` on every node's metrics endpoint
+    (values of one name summed over its other labels, e.g. nodes)."""
+    import re
+    import urllib.request
+    out: dict = {}
+    for n in ray.nodes():
+        if not n.get("Alive") or not n.get("MetricsExportPort"):
+            continue
+        try:
+            txt = urllib.request.urlopen(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics",
+                                         timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in txt.splitlines():
+            m = re.match(r'^(ray_ray_ckpt_\w+)\{(.*)\} (\S+)$', line)
+            if m and f'run="{run}"' in m.group(2) and 'le="' not in m.group(2):
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def test_runtime_state_is_exported_as_ray_metrics(run_env):
+    """Trainer, node workers and coordinator publish through ray.util.metrics; the nodes' Prometheus endpoints
+    serve them (scraped here over HTTP)."""
+    run, uri = run_env
+    ck, *_ = _train(uri, run, 30, during=lambda s, ck: time.sleep(0.04))
+    ck.flush()
+    time.sleep(1.5)                                   # one more publish of the sender after the last step
+    ck.close()
+    m, o, sc = _fresh()
+    assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == 30
+    want = {"ray_ray_ckpt_steps_total": 30, "ray_ray_ckpt_capture_seconds_count": 30,
+            "ray_ray_ckpt_durable_step": 30, "ray_ray_ckpt_recoverable_step": 30,
+            "ray_ray_ckpt_restores_total": 1, "ray_ray_ckpt_restore_seconds_count": 1}
+    deadline = time.monotonic() + 90                  # Ray exports application metrics every ~10 s
+    got = {}
+    while time.monotonic() < deadline:
+        got = _scrape(run)
+        if all(got.get(k) == v for k, v in want.items()) and got.get("ray_ray_ckpt_written_bytes_total", 0) > 0:
+            break
+        time.sleep(2)
+    assert all(got.get(k) == v for k, v in want.items()), {k: got.get(k) for k in want}
+    assert got["ray_ray_ckpt_written_bytes_total"] > 0 and got["ray_ray_ckpt_written_objects_total"] > 0
+    assert got["ray_ray_ckpt_capture_seconds_sum"] > 0 and "ray_ray_ckpt_memory_bytes" in got
+    assert got.get("ray_ray_ckpt_durable_lag_steps") == 0 and got.get("ray_ray_ckpt_gaps") == 0

@@ -2,8 +2,9 @@
 storage only: no cluster, no model code needed. Runs in the calling process.
 
     ray-ckpt ls URI                 generations, objects and the recoverable steps
-    ray-ckpt inspect URI [--step S] the recovery plan for a step (default: the latest) and the adaptive
-                                    policy's latest decision with its reason
+    ray-ckpt inspect URI [--step S] [--plot FILE]
+                                    the recovery plan for a step (default: the latest) and the adaptive
+                                    policy's latest decision with its reason; --plot draws the lineage
     ray-ckpt verify URI             read every committed object, check size, checksum and structure
     ray-ckpt export URI OUT [--step S] [--format safetensors|dcp|torch]
                                     materialize a step (full + replay, no model code) into the directory OUT
@@ -110,6 +111,11 @@ def cmd_ls(storage, args) -> int:
 
 def cmd_inspect(storage, args) -> int:
     lineage, _ = load_lineage(storage, strict=False)
+    if args.plot:
+        from ray_ckpt.cli.plot import plot_lineage
+        drawn = plot_lineage(lineage, args.plot, storage.describe())
+        print(f"wrote {args.plot}: {drawn['generations']} generations, {drawn['fulls']} fulls, "
+              f"{drawn['diffs']} diff objects, {drawn['gap_steps']} lost steps", file=sys.stderr)
     try:
         plan = lineage.resolve(args.step)
     except NoCheckpointError as e:
@@ -253,12 +259,14 @@ def cmd_gc(storage, args) -> int:
         print(json.dumps({"dry_run": res.dry_run, "kept_from_step": res.kept_from_step, "objects": objects,
                           "bytes": res.nbytes}, indent=2))
         return 0
-    if res.kept_from_step is None:
-        print(f"nothing to collect: at most {args.keep_fulls} full checkpoints in {storage.describe()}")
+    if res.count == 0:
+        print(f"nothing to collect: at most {args.keep_fulls} full checkpoints on the current timeline of "
+              f"{storage.describe()}, no abandoned branch")
         return 0
     verb = "would delete" if res.dry_run else "deleted"
-    print(f"kept the {args.keep_fulls} newest fulls (steps >= {res.kept_from_step}); {verb} {res.count} objects "
-          f"({_human(res.nbytes)})")
+    kept = (f"kept the {args.keep_fulls} newest fulls (steps >= {res.kept_from_step})" if res.kept_from_step
+            is not None else f"at most {args.keep_fulls} fulls on the current timeline")
+    print(f"{kept}; {verb} {res.count} objects ({_human(res.nbytes)}), abandoned branches included")
     if res.dry_run:
         for o in objects:
             print(f"  {o}")
@@ -277,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "inspect":
             p.add_argument("--step", type=int, default=None)
+            p.add_argument("--plot", metavar="FILE", default=None,
+                           help="also draw the lineage (steps, fulls, diffs, gaps, restores) to FILE (.png/.svg)")
         if name == "verify":
             p.add_argument("-q", "--quiet", action="store_true", help="no per-object progress")
         p.set_defaults(fn=fn)

@@ -27,6 +27,7 @@ record of that step is finalized. Encoding, sparsifying, checksumming and writin
 """
 from __future__ import annotations
 
+import collections
 import random
 import threading
 import time
@@ -64,6 +65,43 @@ def optimizer_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     cls = type(optimizer)
     return {"optimizer_class": f"{cls.__module__}:{cls.__qualname__}", "param_names": param_names,
             "device": device}
+
+
+class StatefulGroup:
+    """Several stateful objects given as ``extra_state={"loader": loader, "epoch": counter, ...}`` (each with
+    ``state_dict``/``load_state_dict``, e.g. torchdata's ``StatefulDataLoader``), checkpointed as one."""
+
+    def __init__(self, members: dict):
+        for k, v in members.items():
+            if not (callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))):
+                raise TypeError(f"extra_state[{k!r}] must have state_dict() and load_state_dict() methods, "
+                                f"got {type(v).__name__}")
+        self.members = dict(members)
+
+    def state_dict(self) -> dict:
+        return {k: v.state_dict() for k, v in self.members.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = sorted(set(self.members) - set(state))
+        if missing:
+            raise ValueError(f"the checkpoint's extra state has no entry for {missing} (it holds {sorted(state)})")
+        for k, v in self.members.items():
+            v.load_state_dict(state[k])
+
+    def reset_for_new_rank(self) -> None:
+        """Forwarded to the members that define it (see :func:`ray_ckpt.train.agreed_restore`)."""
+        for v in self.members.values():
+            hook = getattr(v, "reset_for_new_rank", None)
+            if callable(hook):
+                hook()
+
+
+def as_stateful(extra_state: Any) -> Any:
+    """``extra_state`` as one object with ``state_dict``/``load_state_dict``: a dict of stateful objects becomes
+    a :class:`StatefulGroup`; anything else is returned as is."""
+    if isinstance(extra_state, dict):
+        return StatefulGroup(extra_state)
+    return extra_state
 
 
 def fingerprint(params: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -208,6 +246,7 @@ class CaptureBase:
                  fingerprint_every: int = 0):
         if getattr(optimizer, ATTACHED_ATTR, None) is not None:
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
+        extra_state = as_stateful(extra_state)
         for name, obj in (("scheduler", scheduler), ("scaler", scaler), ("extra_state", extra_state)):
             if obj is not None and not (callable(getattr(obj, "state_dict", None))
                                         and callable(getattr(obj, "load_state_dict", None))):
@@ -229,6 +268,9 @@ class CaptureBase:
         self._pending: Any = None
         self._lock = threading.RLock()
         self.capture_seconds = 0.0        # time spent in the hooks, for stats
+        #: per-step hook time (pre + post), newest last; drained by the runtime's metrics (bounded)
+        self.step_seconds: collections.deque = collections.deque(maxlen=4096)
+        self._pre_seconds = 0.0
         self.full_snapshots = 0           # fulls snapshotted on the training thread (attach included)
         self.fingerprint_every = fingerprint_every
         self._layout: dict | None | bool = False   # False: not computed yet
@@ -284,7 +326,8 @@ class CaptureBase:
         with self._lock:
             self._finalize()
             self._before_step(optimizer)
-        self.capture_seconds += time.perf_counter() - t0
+        self._pre_seconds = time.perf_counter() - t0
+        self.capture_seconds += self._pre_seconds
 
     def _post_hook(self, optimizer, args, kwargs):
         t0 = time.perf_counter()
@@ -305,7 +348,9 @@ class CaptureBase:
             self.step = step
             if self.scheduler is None and self.scaler is None:
                 self._finalize()
-        self.capture_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.capture_seconds += dt
+        self.step_seconds.append(self._pre_seconds + dt)
 
     # -- finalization -----------------------------------------------------------------------------------------
     def _loop_tail(self) -> dict:
@@ -373,10 +418,15 @@ class CaptureBase:
 
     def _attach_loop(self) -> dict:
         loop: dict[str, Any] = {}
+        rng = rng_state()
         if self.capture_rng:
-            loop["rng"] = rng_state()
+            loop["rng"] = rng
         if self.extra_state is not None:
             loop["extra"] = self._copy.tree(self.extra_state.state_dict())
+            # the first state_dict() of some objects draws from the global RNG (torchdata's StatefulDataLoader
+            # before its first iteration seeds an iterator): attaching must not change the run it checkpoints, and
+            # the RNG recorded above must be the one the loop continues with
+            set_rng_state(rng)
         loop.update(self._loop_tail())
         return loop
 

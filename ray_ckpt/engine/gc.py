@@ -46,10 +46,11 @@ def collect(storage, keep_fulls: int, *, dry_run: bool = False,
             progress: Callable[[int, int], None] | None = None) -> GcResult:
     """Delete what only serves steps before the ``keep_fulls`` newest fulls (see the module docstring)."""
     lineage, _ = load_lineage(storage, strict=False, use_index=False)
-    cutoff = gc_cutoff(lineage.manifests, keep_fulls)
-    if cutoff is None:
+    cutoff = gc_cutoff(lineage, keep_fulls)
+    doomed = [m for m in lineage.manifests if collectable(lineage, m, cutoff)]
+    if not doomed:
         return GcResult(None, dry_run=dry_run)
-    out = GcResult(cutoff.last_step, [m for m in lineage.manifests if collectable(m, cutoff)], dry_run=dry_run)
+    out = GcResult(cutoff.last_step if cutoff is not None else None, doomed, dry_run=dry_run)
     ranks = {}
     for key in storage.list(RANKS_DIR):
         rank = key[len(RANKS_DIR):].split("/", 1)[0]
@@ -58,7 +59,8 @@ def collect(storage, keep_fulls: int, *, dry_run: bool = False,
     for r in sorted(ranks):
         rs = rank_storage(storage, r)
         rl, _ = load_lineage(rs, strict=False, use_index=False)
-        doomed = [m for m in rl.manifests if collectable(m, cutoff)]
+        # a rank lineage shares the main lineage's generations: the main lineage's timeline decides
+        doomed = [m for m in rl.manifests if collectable(lineage, m, cutoff)]
         if doomed:
             out.rank_deleted[r] = doomed
             ranks[r] = (rs, rl)
@@ -66,11 +68,7 @@ def collect(storage, keep_fulls: int, *, dry_run: bool = False,
         return out
     jobs = [(storage, m) for m in out.deleted] + [(ranks[r][0], m) for r, ms in out.rank_deleted.items() for m in ms]
     for i, (st, m) in enumerate(jobs, 1):
-        for key in (m.key, m.object):  # manifest first: uncommitted before the object goes
-            try:
-                st.delete(key)
-            except ObjectNotFound:
-                pass
+        lineage_index.delete_committed(st, [m], missing=(ObjectNotFound,))   # manifest first: uncommitted before the object goes
         if progress is not None:
             progress(i, len(jobs))
     _reindex(storage, lineage, out.deleted)

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import torch
 
-from ray_ckpt.engine.capture import ATTACHED_ATTR, RESTORED_STEP_ATTR, apply_group_values, set_rng_state
+from ray_ckpt.engine.capture import (ATTACHED_ATTR, RESTORED_STEP_ATTR, apply_group_values, as_stateful,
+                                     set_rng_state)
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
@@ -262,6 +263,7 @@ def apply_loop(loop: dict, optimizer, *, scheduler: Any = None, scaler: Any = No
         if "scaler" not in loop:
             raise ValueError("the checkpoint has no GradScaler state (it was taken without one)")
         scaler.load_state_dict(loop["scaler"])
+    extra_state = as_stateful(extra_state)
     if extra_state is not None:
         if "extra" not in loop:
             raise ValueError("the checkpoint has no extra state (it was taken without extra_state)")

@@ -25,9 +25,10 @@ from typing import Callable
 
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
-from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
+from ray_ckpt.lineage import Lineage, Manifest, collectable, diff_name, full_name, gc_cutoff, object_key
 from ray_ckpt.lineage import index as lineage_index
 from ray_ckpt.storage.retry import PermanentStorageError, RetryBudgetExceeded, RetryPolicy
+from ray_ckpt.storage.base import ObjectNotFound
 
 log = logging.getLogger("ray_ckpt")
 
@@ -45,6 +46,7 @@ class WriterStats:
     steps_committed: int = 0
     last_committed_step: int | None = None
     stall_seconds: float = 0.0          #: time the training thread waited for memory (backpressure)
+    objects_deleted: int = 0            #: garbage-collected by ``keep_fulls`` (runtime="local")
     write_seconds: float = 0.0
     encode_seconds: float = 0.0
     commits: list = field(default_factory=list)   #: manifests committed, in order (names only)
@@ -159,7 +161,8 @@ class BoundedSink:
 class AsyncWriter(BoundedSink):
     def __init__(self, storage, generation: int, impl, *, max_pending_bytes: int, write_retries: int = 3,
                  write_timeout: float = 300.0, info: dict | None = None,
-                 on_commit: Callable[[Manifest], None] | None = None, index: list | None = None):
+                 on_commit: Callable[[Manifest], None] | None = None, index: list | None = None,
+                 keep_fulls: int = 0):
         super().__init__(max_pending_bytes, f"ray_ckpt-writer-g{generation}")
         self.storage = storage
         self.generation = generation
@@ -171,6 +174,8 @@ class AsyncWriter(BoundedSink):
         #: committed manifests known to this writer (those of earlier generations + its own): rolled up into the
         #: lineage index after every full; None: write no index
         self._index = list(index) if index is not None else None
+        #: > 0: after each full, chains older than the keep_fulls newest fulls are deleted (needs the index list)
+        self.keep_fulls = keep_fulls
         self._batch: list = []
         self._thread.start()
 
@@ -250,6 +255,8 @@ class AsyncWriter(BoundedSink):
         self.stats.commits.append(name)
         if self._index is not None:
             self._index.append(manifest)
+            if kind == "full" and self.keep_fulls > 0:
+                self._collect()
             if kind == "full":
                 try:
                     lineage_index.write_index(self.storage, self._index)
@@ -257,6 +264,24 @@ class AsyncWriter(BoundedSink):
                     log.warning("ray_ckpt: could not write the lineage index: %s", e)
         if self.on_commit is not None:
             self.on_commit(manifest)
+
+    def _collect(self) -> None:
+        """Writer thread, after a full: delete what only serves steps before the ``keep_fulls`` newest fulls of the
+        current timeline (the coordinator's rule, :func:`ray_ckpt.lineage.gc_cutoff`), and abandoned branches.
+        A failure is logged, never raised: garbage collection must not stop checkpointing."""
+        lin = Lineage(self._index)
+        doomed = [m for m in self._index if collectable(lin, m, gc_cutoff(lin, self.keep_fulls))]
+        if not doomed:
+            return
+        try:
+            lineage_index.delete_committed(self.storage, doomed, missing=(ObjectNotFound,))
+        except Exception as e:  # noqa: BLE001
+            log.warning("ray_ckpt: garbage collection failed (%s); it is retried after the next full", e)
+            return
+        gone = {m.name for m in doomed}
+        self._index = [m for m in self._index if m.name not in gone]
+        self.stats.objects_deleted += len(doomed)
+        log.info("ray_ckpt: garbage-collected %d objects (keep_fulls=%d)", len(doomed), self.keep_fulls)
 
     def _retry(self, fn, what: str) -> None:
         try:

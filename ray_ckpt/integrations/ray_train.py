@@ -49,30 +49,39 @@ class RayCkptCallback(ControllerCallback):
     """Driver-side half of the integration: ``RunConfig(callbacks=[RayCkptCallback("s3://bucket/run")])``.
 
     Created on the driver, pickled to the Ray Train controller actor, where its hooks run (see the module
-    docstring). ``storage_uri``/``storage_options`` name the lineage's storage; ``full_every``/``batch_steps``
+    docstring). ``storage_uri``/``storage_options`` name the lineage's storage; without ``storage_uri`` it is the
+    run's own place, ``<RunConfig.storage_path>/<RunConfig.name>/ray_ckpt`` (:func:`default_location`). A lineage
+    belongs to the run (name) that created it: a run with another name pointed at it is refused with an error,
+    unless ``adopt=True`` (continue that lineage under this run's name). ``full_every``/``batch_steps``
     the frequency policy the coordinator hands to the workers; ``keep_fulls`` > 0 garbage-collects chains older
     than that many durable full checkpoints; ``mtbf_hint`` (seconds) is the adaptive policy's prior MTBF (the
     coordinator adapts ``full_every``/``batch_steps`` unless they are given); ``keep_runtime=True`` leaves the coordinator
     and persistence workers alive after the run (to restore from their memory tier later).
     """
 
-    def __init__(self, storage_uri: str | os.PathLike, *, storage_options: dict | None = None,
+    def __init__(self, storage_uri: str | os.PathLike | None = None, *, storage_options: dict | None = None,
                  full_every: int | None = None, batch_steps: int | None = None, keep_runtime: bool = False,
-                 run: str | None = None, keep_fulls: int | None = None, mtbf_hint: float | None = None):
-        self.storage_uri = os.fspath(storage_uri)
+                 run: str | None = None, keep_fulls: int | None = None, mtbf_hint: float | None = None,
+                 adopt: bool = False):
+        self.storage_uri = os.fspath(storage_uri) if storage_uri is not None else None
         self.storage_options = dict(storage_options or {})
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
                                                keep_fulls=keep_fulls, mtbf_hint=mtbf_hint)
         self.keep_runtime = keep_runtime
         self.run = run
-        _storage.open_storage(self.storage_uri, **self.storage_options)  # fail fast on a bad URI, on the driver
+        self.adopt = adopt
+        if self.storage_uri is not None:  # fail fast on a bad URI, on the driver
+            _storage.open_storage(self.storage_uri, **self.storage_options)
         self.failures = 0
 
     # -- controller side ---------------------------------------------------------------------------------------
     def after_controller_start(self, train_run_context) -> None:
         run = self.run or train_run_context.run_config.name
         self.run = run
+        if self.storage_uri is None:
+            self.storage_uri = default_location(train_run_context.run_config)
         storage = _storage.open_storage(self.storage_uri, **self.storage_options)
+        claim_run(storage, run, adopt=self.adopt)
         coord = get_or_create_coordinator(run, storage, full_every=self.config.full_every,
                                           batch_steps=self.config.batch_steps, keep_fulls=self.config.keep_fulls,
                                           policy_options=self.config.policy_options())
@@ -109,6 +118,50 @@ class RayCkptCallback(ControllerCallback):
             return ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
         except (ValueError, TypeError):
             return None
+
+
+RUN_MARKER = "run.json"
+
+
+def default_location(run_config) -> str:
+    """The lineage root of a Ray Train run when no URI is given: next to Ray Train's own files for the run,
+    ``<storage_path>/<name>/ray_ckpt`` (``storage_path`` defaults to ``~/ray_results`` as in Ray Train)."""
+    base = run_config.storage_path or os.path.expanduser("~/ray_results")
+    if getattr(run_config, "storage_filesystem", None) is not None:
+        raise ValueError("RunConfig.storage_filesystem is set: give RayCkptCallback a storage_uri (and "
+                         "storage_options) for the lineage; ray_ckpt does not use pyarrow filesystem objects")
+    if not run_config.name:
+        raise ValueError("RunConfig.name is not set: name the run, or give RayCkptCallback a storage_uri")
+    return f"{base.rstrip('/')}/{run_config.name}/ray_ckpt"
+
+
+def claim_run(storage, run: str, *, adopt: bool = False) -> None:
+    """Record that the lineage at ``storage`` belongs to ``run`` (``run.json`` at its root), or refuse: a lineage
+    created by another run name is not silently resumed by this one (``adopt=True`` takes it over). Controller
+    (callback) or worker (:func:`attach` with ``storage_uri``)."""
+    try:
+        owner = json.loads(storage.read(RUN_MARKER)).get("run")
+    except _storage.ObjectNotFound:
+        owner = None
+    except ValueError:
+        owner = None  # unreadable marker: rewritten below
+    if owner not in (None, run) and not adopt:
+        raise ValueError(f"{storage.describe()} holds the checkpoints of run {owner!r}, not of run {run!r}: "
+                         f"point this run at its own storage (or leave storage_uri out: the run's own place), "
+                         f"or resume that lineage under the new name with RayCkptCallback(..., adopt=True)")
+    if owner is None and not _is_empty(storage):
+        owner = "<unnamed>"  # written by Checkpointer/an older ray_ckpt: claim it only when adopting
+        if not adopt:
+            raise ValueError(f"{storage.describe()} already holds checkpoints that no Ray Train run claimed: "
+                             f"use another storage, or RayCkptCallback(..., adopt=True) to resume them as run "
+                             f"{run!r}")
+    if owner != run:
+        storage.write(RUN_MARKER, json.dumps({"run": run, "adopted_from": owner}).encode())
+
+
+def _is_empty(storage) -> bool:
+    from ray_ckpt.lineage import MANIFESTS_DIR
+    return not storage.list(MANIFESTS_DIR)
 
 
 def flush_run(run: str, timeout: float = 300.0) -> None:
@@ -153,11 +206,47 @@ class TrainSession:
     checkpointer: Checkpointer | None   #: rank 0 only: captures every optimizer step
     restore_seconds: float = 0.0
     loop_recorder: Any = None           #: ranks > 0 of a group: records this rank's RNG and extra state
+    report_every: int = 0               #: pointer reports every this many steps (0: only at close)
+    step: int = 0                       #: optimizer steps taken (counting the restored prefix)
+    last_metrics: dict = field(default_factory=dict)   #: the latest metrics given to :meth:`report`
+    _reported_step: int | None = None
     _hooks: list = field(default_factory=list)
     _closed: bool = False
 
-    def close(self, timeout: float | None = None) -> None:
-        """End of training: make every captured step durable and detach. Call on every rank."""
+    def report(self, metrics: dict, checkpoint: Any = None, **kwargs) -> None:
+        """``ray.train.report`` with the lineage pointer attached: use it in place of ``ray.train.report`` (same
+        arguments; call it on every rank, as Ray Train requires). The metrics get ``ray_ckpt_step`` added and are
+        kept: ray_ckpt's own pointer reports (every ``report_every`` steps and at :meth:`close`) carry the latest
+        ones, so ``Result.metrics`` and ``best_checkpoints`` see the user's metrics. On world rank 0 the pointer
+        file goes into the reported checkpoint (``checkpoint``, a local directory checkpoint, when given; a new
+        one otherwise). Training worker."""
+        self.last_metrics = dict(metrics)
+        self._report(checkpoint, **kwargs)
+
+    def _report(self, checkpoint: Any = None, **kwargs) -> None:
+        metrics = {**self.last_metrics, "ray_ckpt_step": self.step}
+        self._reported_step = self.step
+        if self.world_rank != 0:
+            ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
+            return
+        pointer = {"storage_uri": self.storage_uri, "run": self.run, "step": self.step}
+        if checkpoint is not None:
+            if not os.path.isdir(str(checkpoint.path)):
+                raise ValueError("TrainSession.report adds the ray_ckpt pointer to a checkpoint in a local "
+                                 "directory; this one is at " + str(checkpoint.path))
+            with open(os.path.join(checkpoint.path, POINTER_FILE), "w") as f:
+                json.dump(pointer, f)
+            ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
+            return
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, POINTER_FILE), "w") as f:
+                json.dump(pointer, f)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d), **kwargs)
+
+    def close(self, timeout: float | None = None, *, report: bool = True) -> None:
+        """End of training: make every captured step durable, detach, and (``report``) report a final pointer
+        naming the last step, with the latest metrics, unless that step was just reported. Call on every rank
+        (the final report is collective, as every ``ray.train.report``)."""
         if self._closed:
             return
         self._closed = True
@@ -169,12 +258,14 @@ class TrainSession:
         finally:
             if self.loop_recorder is not None:
                 self.loop_recorder.close(timeout)
+        if report and self._reported_step != self.step:
+            self._report()
 
     def __enter__(self) -> "TrainSession":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(report=exc_type is None)   # an exception: no collective report (other ranks may not come)
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
@@ -192,7 +283,13 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     decided once, by world rank 0, and restored on every rank (see :func:`agreed_restore`); when any rank
     cannot restore it, every rank raises :class:`RestoreError`.
     World rank 0 then captures every optimizer step; every rank reports a pointer checkpoint every
-    ``report_every`` steps (default: ``full_every``; 0 disables) so ``Result.checkpoint`` names the lineage head.
+    ``report_every`` steps (default: ``full_every``; 0: none) and at :meth:`TrainSession.close`, so
+    ``Result.checkpoint`` names the lineage head (``ray_ckpt.restore(result.checkpoint, model, optimizer)``
+    restores it). Report your own metrics with :meth:`TrainSession.report` (in place of ``ray.train.report``):
+    they are kept in every pointer report, never replaced.
+
+    ``extra_state``: an object with ``state_dict``/``load_state_dict`` or a dict of them, e.g.
+    ``{"loader": StatefulDataLoader(...), "epoch": counter}`` to resume mid-epoch.
 
     The storage comes from :class:`RayCkptCallback` (via the run's coordinator) unless ``storage_uri`` is given.
     Every rank gets its own RNG and extra state back: ranks > 0 record theirs next to the lineage (see
@@ -201,6 +298,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     (:class:`~ray_ckpt.compression.ResidualState`: a dense copy per step and rank), so compression after a
     restore matches the uninterrupted run.
     """
+    from ray_ckpt.engine.capture import as_stateful
+    extra_state = as_stateful(extra_state)
     if compression_state is not None and getattr(compression_state, "error_feedback", False):
         from ray_ckpt.integrations.compression import ResidualState
         extra_state = ResidualState(compression_state, model, extra_state)
@@ -226,12 +325,12 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
                           full_every=policy.full_every, batch_steps=policy.batch_steps)
     recorder = _record_rank_loop(storage, rank, model, optimizer, ck, start=start, extra_state=extra_state,
                                  full_every=policy.full_every, batch_steps=policy.batch_steps)
+    every = policy.full_every if report_every is None else report_every
     session = TrainSession(start_step=start, restored=restored, run=run,
                            storage_uri=storage.describe(), world_rank=rank, checkpointer=ck,
-                           restore_seconds=restore_seconds, loop_recorder=recorder)
-    every = policy.full_every if report_every is None else report_every
-    if every:
-        session._hooks.append(_install_pointer_reports(optimizer, session, start, every))
+                           restore_seconds=restore_seconds, loop_recorder=recorder, report_every=every,
+                           step=start)
+    session._hooks.append(optimizer.register_step_post_hook(_pointer_hook(session)))
     return session
 
 
@@ -392,24 +491,14 @@ def _resolve_storage(run: str, storage_uri, storage_options):
                      "RunConfig(callbacks=...) or pass storage_uri=")
 
 
-def _install_pointer_reports(optimizer, session: TrainSession, start: int, every: int):
-    counter = {"step": start}
-
+def _pointer_hook(session: TrainSession):
+    """Counts optimizer steps; every ``report_every`` steps, a pointer report (training thread, every rank)."""
     def hook(opt, args, kwargs):
-        counter["step"] += 1
-        step = counter["step"]
-        if step % every:
-            return
-        metrics = {"ray_ckpt_step": step}
-        if session.world_rank == 0:
-            with tempfile.TemporaryDirectory() as d:
-                with open(os.path.join(d, POINTER_FILE), "w") as f:
-                    json.dump({"storage_uri": session.storage_uri, "run": session.run, "step": step}, f)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
-        else:
-            ray.train.report(metrics)
+        session.step += 1
+        if session.report_every and session.step % session.report_every == 0:
+            session._report()
 
-    return optimizer.register_step_post_hook(hook)
+    return hook
 
 
 def read_pointer(checkpoint) -> dict:

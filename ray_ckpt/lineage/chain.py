@@ -192,16 +192,29 @@ class Lineage:
         return next(m for m in self._gens[gen] if m.kind == "full" and m.last_step == step)
 
 
-def gc_cutoff(manifests: Iterable[Manifest], keep_fulls: int) -> Manifest | None:
-    """The oldest full checkpoint kept when only the ``keep_fulls`` newest fulls (by step, then generation) and
-    what they need are kept; None when there is nothing to collect. Pure."""
+
+def gc_cutoff(lineage: Lineage, keep_fulls: int) -> Manifest | None:
+    """The oldest full kept when only the ``keep_fulls`` newest fulls *of the current timeline* are kept (a full
+    of a generation past the step a newer generation branched from belongs to an abandoned timeline and does
+    not count); None when there is nothing to collect. Pure."""
     if keep_fulls < 1:
         raise ValueError(f"keep_fulls must be >= 1, got {keep_fulls}")
-    fulls = sorted((m for m in manifests if m.kind == "full"), key=lambda m: (m.last_step, m.generation))
-    return fulls[-keep_fulls] if len(fulls) > keep_fulls else None
+    live = []
+    for m in lineage.manifests:
+        if m.kind != "full":
+            continue
+        cap = lineage._cap(m.generation)
+        if cap is None or m.last_step <= cap:
+            live.append(m)
+    live.sort(key=lambda m: (m.last_step, m.generation))
+    return live[-keep_fulls] if len(live) > keep_fulls else None
 
 
-def collectable(m: Manifest, cutoff: Manifest) -> bool:
-    """Whether ``m`` only serves steps before the kept full ``cutoff`` (of its generation or older ones): no
-    plan for a step at or after ``cutoff`` reads it. Pure."""
-    return m.last_step < cutoff.last_step and m.generation <= cutoff.generation
+def collectable(lineage: Lineage, m: Manifest, cutoff: Manifest | None) -> bool:
+    """Whether no plan of the current timeline from step ``cutoff`` on reads ``m``: it only serves earlier steps
+    (of ``cutoff``'s generation or older ones), or it lies wholly past the step a newer generation branched from
+    (an abandoned timeline, which no restore returns). ``cutoff`` None: only the abandoned part. Pure."""
+    cap = lineage._cap(m.generation)
+    if cap is not None and m.first_step > cap:
+        return True
+    return cutoff is not None and m.last_step < cutoff.last_step and m.generation <= cutoff.generation

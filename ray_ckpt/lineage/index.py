@@ -97,3 +97,15 @@ def write_index(storage, manifests) -> None:
     """Roll ``manifests`` (every committed manifest the caller knows) up into the index object. Call after
     the newest of them is committed, e.g. right after a full's manifest (writer thread, coordinator actor)."""
     storage.write(INDEX_KEY, encode_index(manifests))
+
+
+def delete_committed(storage, manifests, missing: tuple = ()) -> None:
+    """Delete committed objects: each manifest first (the object is uncommitted from then on), then its object.
+    Errors of the types in ``missing`` (the backend's not-found) are ignored: a collection interrupted and run
+    again finds some keys gone. Garbage collection; any process."""
+    for m in manifests:
+        for key in (m.key, m.object):
+            try:
+                storage.delete(key)
+            except missing:
+                pass

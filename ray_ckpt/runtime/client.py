@@ -186,3 +186,14 @@ def load_plan(storage, plan: dict, *, timeout: float = 60.0, snapshot: dict | No
     chain = load_chain(storage, p, reader)
     tiers["replayed"] = len(chain.records)
     return chain, tiers
+
+
+def record_restore(storage, run: str | None, seconds: float) -> None:
+    """A finished restore of the run as Ray metrics (restoring process; nothing without Ray)."""
+    if not ray.is_initialized():
+        return
+    from ray_ckpt.runtime import metrics as _metrics
+    tags = {"run": run_name(storage, run)}
+    _metrics.add("ray_ckpt_restores", 1, tags)
+    _metrics.observe("ray_ckpt_restore_seconds", [seconds], tags)
+

@@ -27,6 +27,7 @@ driver-side callback, tests).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, 
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
 from ray_ckpt.lineage import index as _lineage_index  # [lineage index #14]
+from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.placement import prefer_node
 
@@ -83,6 +85,11 @@ class Coordinator:
         self._last_generation = 0
         self._lazy_gens: set[int] = set()   # generations with durable_diffs="fulls"
         self.started_at = time.time()
+        self._metrics = _metrics.CounterDeltas({"run": run})
+        self._metrics_t = 0.0
+        self._changes = 0            # reports and failures seen (publish_metrics computes only after changes)
+        self._published_changes = -1
+        threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
         # [policy #14] the adaptive policy: fed by commits and failures; pinned values never change
         self.tuner = _adaptive.make_tuner(full_every, batch_steps, started_at=self.started_at,
                                           **(policy_options or {}))
@@ -178,6 +185,31 @@ class Coordinator:
             elif kind == "started":
                 self.worker_started(node_id)
         self._check_gaps()
+        self._changes += 1
+
+    def publish_metrics(self) -> None:
+        """The run's lineage figures as Ray metrics (:mod:`ray_ckpt.runtime.metrics`): called about once a second
+        by the actor's own ticker thread (as an actor call, so it runs between the other calls, never
+        concurrently); computed only when reports arrived since the last time, else every 15 s."""
+        now = time.monotonic()
+        if self._changes == self._published_changes and now - self._metrics_t < 15.0:
+            return
+        self._metrics_t, self._published_changes = now, self._changes
+        try:
+            _metrics.coordinator_metrics(self.status(), self._metrics)
+        except Exception as e:  # noqa: BLE001 - metrics never break the coordinator
+            log.debug("ray_ckpt coordinator: metrics not published: %s", e)
+
+    def _tick(self) -> None:
+        """Ticker thread: asks this actor to publish its metrics once a second."""
+        me = None
+        while True:
+            time.sleep(1.0)
+            try:
+                me = me or ray.get_runtime_context().current_actor
+                me.publish_metrics.remote()
+            except Exception:  # noqa: BLE001 - not an actor (tests build the class directly) or shutting down
+                return
 
     def report(self, manifest_json: bytes, node_id: str, refs: list, durable: bool) -> None:
         self._add(Manifest.from_json(manifest_json), node_id, refs, durable)
@@ -379,6 +411,7 @@ class Coordinator:
         self.failures.append({"time": time.time(), **info})
         self.tuner.observe_failure(self.failures[-1]["time"])  # [policy #14]
         self._decide(publish=True)  # [policy #14]
+        self._changes += 1
 
     def record_event(self, info: dict) -> None:
         """Other run events (resizes...), kept for status and policies."""
@@ -464,10 +497,11 @@ class Coordinator:
     def gc(self, keep_fulls: int = 2) -> list[str]:
         """Delete chains older than the ``keep_fulls`` newest full checkpoints of the current timeline, from
         storage and from the memory tier. Returns the deleted object names."""
-        cutoff = gc_cutoff(self._lineage(durable_only=True).manifests, keep_fulls)  # only durable fulls are kept
-        if cutoff is None:
+        lin = self._lineage(durable_only=True)  # only durable fulls count as kept
+        cutoff = gc_cutoff(lin, keep_fulls)
+        doomed = [e for e in self.entries.values() if collectable(lin, e.manifest, cutoff)]
+        if not doomed:
             return []
-        doomed = [e for e in self.entries.values() if collectable(e.manifest, cutoff)]
         deleted = []
         for e in doomed:
             m = e.manifest

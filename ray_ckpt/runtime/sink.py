@@ -40,12 +40,14 @@ from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
+from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.worker import get_or_create_worker
 
 log = logging.getLogger("ray_ckpt")
 
 _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+_METRICS_S = 1.0        # how often the sender publishes the training thread's metrics
 _POLL_S = 0.25          # how often an idle sender asks the worker which chunks became safe
 _CONTROL_S = 0.5        # how often the sender asks the coordinator for full-checkpoint control
 
@@ -86,6 +88,9 @@ class RaySink(BoundedSink):
         self.resent_chunks = 0
         self.handoff_seconds = 0.0    # sender thread: encode + hand-off
         self.sender_cpu_seconds = 0.0
+        self.capture = None           #: the training loop's capture (set by the Checkpointer): step times
+        self._metrics_t = 0.0
+        self._metrics = _metrics.CounterDeltas({"run": run})
         self._thread.start()
 
     # -- training thread ----------------------------------------------------------------------------------------
@@ -194,6 +199,27 @@ class RaySink(BoundedSink):
                 self._fail(e, entry[0] if entry is not None else None)
                 return
 
+    def attach_capture(self, capture, start_step: int) -> None:
+        """Training thread, once: the capture whose step times and step count the sender publishes."""
+        self._metrics._last["ray_ckpt_steps"] = float(start_step)
+        self.capture = capture
+
+    def _publish_metrics(self) -> None:
+        """Sender thread, about once a second: the training thread's figures as Ray metrics."""
+        cap = self.capture
+        if cap is None:
+            return
+        times = []
+        q = cap.step_seconds
+        while q:
+            try:
+                times.append(q.popleft())
+            except IndexError:
+                break
+        _metrics.observe("ray_ckpt_capture_seconds", times, self._metrics.tags)
+        self._metrics.publish({"ray_ckpt_stall_seconds": self.stats.stall_seconds,
+                               "ray_ckpt_steps": cap.step})
+
     def _handoff(self, items: list, full: bool = False) -> None:
         t0 = time.perf_counter()
         if full:
@@ -269,6 +295,9 @@ class RaySink(BoundedSink):
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        if now - self._metrics_t >= _METRICS_S:
+            self._metrics_t = now
+            self._publish_metrics()
         if self._unsafe and now - self._poll_t >= _POLL_S:
             self._poll_t = now
             self._on_reply(self._call(lambda w: w.poll.remote(self.generation), "poll"))

@@ -47,6 +47,7 @@ import ray
 
 from ray_ckpt.format import segments
 from ray_ckpt.lineage import Manifest, diff_name, object_key
+from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
 from ray_ckpt.storage.retry import RetryPolicy
 
@@ -319,7 +320,12 @@ class PersistenceWorker:
 
     # -- report thread: coordinator messages, replication acknowledgements -----------------------------------------
     def _report_loop(self) -> None:
+        deltas = _metrics.CounterDeltas({"run": self.run, "node": self.node_id[:12]})
+        metrics_t = 0.0
         while True:
+            if time.monotonic() - metrics_t >= 1.0:
+                metrics_t = time.monotonic()
+                _metrics.worker_metrics(self.stats(), deltas)
             with self._cv:
                 if not self._reports and not self._replica_calls:
                     self._cv.wait(1.0)
