@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ray_ckpt.config import CheckpointConfig, LowDiff
-from ray_ckpt.engine.capture import RESTORED_STEP_ATTR
+from ray_ckpt.engine.capture import ATTACHED_ATTR, RESTORED_STEP_ATTR
+from ray_ckpt.engine.lease import Lease
 from ray_ckpt.engine.restore import apply_chain, check_not_attached, load_lineage, resolve_and_load
 from ray_ckpt.engine.strategy import impl_for
 from ray_ckpt.engine.writer import AsyncWriter
@@ -43,6 +44,10 @@ class Checkpointer:
     ``extra_state``, ``scheduler`` and ``scaler`` are objects with ``state_dict()``/``load_state_dict()``; the
     same objects are given to :func:`restore`. Use as a context manager or call :meth:`close`.
 
+    One writer per lineage: a second Checkpointer (another job) on the same ``uri`` raises
+    :class:`~ray_ckpt.engine.lease.LeaseError` naming the holder, unless ``takeover=True`` (take over a lease
+    whose job is gone; logged). With ``runtime="ray"`` the lease belongs to the run.
+
     Storage writes are retried with backoff for ``write_timeout`` seconds (default 300): an outage shorter than
     that costs time (the training thread waits once ``max_pending_bytes`` is held), never data; beyond it
     the next step raises :class:`WriterError`.
@@ -60,7 +65,7 @@ class Checkpointer:
                  runtime: str = "local", run: str | None = None, memory_budget: int | None = None,
                  keep_fulls: int | None = None, replica: bool | None = None, handoff_delay: float | None = None,
                  policy: str | None = None, mtbf_hint: float | None = None, durable_diffs: str | None = None,
-                 write_timeout: float | None = None):
+                 write_timeout: float | None = None, takeover: bool = False):
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -88,25 +93,23 @@ class Checkpointer:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         info = {"num_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
                 "optimizer": type(optimizer).__name__, "start_step": start_step}
+        if getattr(optimizer, ATTACHED_ATTR, None) is not None:   # before anything is acquired
+            raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
         self._tuner = None
-        if runtime == "local":
-            lineage, _ = load_lineage(self.storage, strict=False)
-            self.generation = lineage.next_generation()
-            policy = self._local_policy()
-            self._writer = AsyncWriter(self.storage, self.generation, impl,
-                                       max_pending_bytes=self.config.max_pending_bytes,
-                                       write_retries=self.config.write_retries,
-                                       write_timeout=self.config.write_timeout, info=info,
-                                       index=lineage.manifests, keep_fulls=self.config.keep_fulls,
-                                       on_commit=self._observe_commit if self._tuner is not None else None)
-        else:
-            from ray_ckpt.runtime.client import attach_sink
-            self.run, self.generation, policy, self._writer = attach_sink(
-                self.storage, impl, run=run, config=self.config, info=info)
-        fp_every = self.config.fingerprint_every if getattr(self._writer, "replica_enabled", False) else 0
-        self._capture = impl.make_capture(model, optimizer, self._writer, policy, start_step=start_step,
-                                          scheduler=scheduler, scaler=scaler, extra_state=extra_state,
-                                          capture_rng=self.config.capture_rng, fingerprint_every=fp_every)
+        self._lease = None
+        self._writer = None
+        try:
+            policy = self._attach_sink(impl, run, info, takeover)
+            fp_every = self.config.fingerprint_every if getattr(self._writer, "replica_enabled", False) else 0
+            self._capture = impl.make_capture(model, optimizer, self._writer, policy, start_step=start_step,
+                                              scheduler=scheduler, scaler=scaler, extra_state=extra_state,
+                                              capture_rng=self.config.capture_rng, fingerprint_every=fp_every)
+        except BaseException:      # bad arguments found late: nothing stays held (writer thread, lease)
+            if self._writer is not None:
+                self._writer.close()
+            if self._lease is not None:
+                self._lease.release()
+            raise
         attach_capture = getattr(self._writer, "attach_capture", None)
         if attach_capture is not None:  # runtime="ray": the sender publishes the capture's Ray metrics
             attach_capture(self._capture, start_step)
@@ -119,9 +122,32 @@ class Checkpointer:
         except BaseException:
             self._capture.detach()
             self._writer.close()
+            if self._lease is not None:
+                self._lease.release()
             raise
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.storage.describe(),
                  self.generation, start_step)
+
+    def _attach_sink(self, impl, run, info: dict, takeover: bool):
+        """The lease (local), the generation and the sink of this attach; returns the frequency policy."""
+        if self.runtime == "local":
+            self._lease = Lease(self.storage)
+            self._lease.acquire(takeover=takeover)      # one writer per lineage (LeaseError names the holder)
+            lineage, _ = load_lineage(self.storage, strict=False)
+            self.generation = lineage.next_generation()
+            policy = self._local_policy()
+            self._writer = AsyncWriter(self.storage, self.generation, impl,
+                                       max_pending_bytes=self.config.max_pending_bytes,
+                                       write_retries=self.config.write_retries,
+                                       write_timeout=self.config.write_timeout, info=info,
+                                       index=lineage.manifests, keep_fulls=self.config.keep_fulls,
+                                       lease=self._lease,
+                                       on_commit=self._observe_commit if self._tuner is not None else None)
+            return policy
+        from ray_ckpt.runtime.client import attach_sink
+        self.run, self.generation, policy, self._writer = attach_sink(
+            self.storage, impl, run=run, config=self.config, info=info, takeover=takeover)
+        return policy
 
     def _local_policy(self):
         """runtime="local": the frequency policy; with policy="adaptive" a tuner fed by the writer thread."""
@@ -186,6 +212,8 @@ class Checkpointer:
             self._writer.close(timeout)
         finally:
             self._capture.detach()
+            if self._lease is not None:
+                self._lease.release()
 
     def stats(self) -> dict:
         """Counters for logs and benchmarks (training process). ``durable_lag_steps``: steps captured but not yet
@@ -224,6 +252,8 @@ class Checkpointer:
             if not self._closed:
                 self._capture.detach()
                 self._writer.close(timeout=5)
+                if self._lease is not None:
+                    self._lease.release()
         except Exception:  # noqa: BLE001
             pass
 

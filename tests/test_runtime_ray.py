@@ -245,3 +245,17 @@ def test_runtime_state_is_exported_as_ray_metrics(run_env):
     assert got["ray_ray_ckpt_written_bytes_total"] > 0 and got["ray_ray_ckpt_written_objects_total"] > 0
     assert got["ray_ray_ckpt_capture_seconds_sum"] > 0 and "ray_ray_ckpt_memory_bytes" in got
     assert got.get("ray_ray_ckpt_durable_lag_steps") == 0 and got.get("ray_ray_ckpt_gaps") == 0
+
+
+def test_two_runs_on_one_lineage_the_second_is_refused(run_env):
+    from ray_ckpt.engine.lease import LeaseError
+    run, uri = run_env
+    ck, *_ = _train(uri, run, 3)
+    ck.close()
+    other = f"{run}-other"
+    with pytest.raises(LeaseError, match=f"run {run!r}"):
+        _train(uri, other, 2)
+    shutdown_run(run)                                  # the end of the first run releases its lease
+    ck, *_ = _train(uri, other, 2)
+    ck.close()
+    shutdown_run(other)

@@ -13,6 +13,7 @@ storage only: no cluster, no model code needed. Runs in the calling process.
                                     scheduler/RNG/extra state as torch.save'd dicts)
     ray-ckpt gc URI --keep-fulls K [--dry-run]
                                     delete chains older than the K newest full checkpoints
+    ray-ckpt lease URI [--release]  which job writes the lineage; --release frees the lease of a job that is gone
 
 Long commands show progress bars on a terminal (``-q`` silences them).
 
@@ -273,6 +274,22 @@ def cmd_gc(storage, args) -> int:
     return 0
 
 
+def cmd_lease(storage, args) -> int:
+    from ray_ckpt.engine.lease import LEASE_KEY, describe, read_lease
+    rec = read_lease(storage)
+    if args.json:
+        print(json.dumps({"lease": rec}, indent=2))
+    elif rec is None:
+        print(f"no writer holds {storage.describe()}")
+    else:
+        print(f"{storage.describe()} is held by {describe(rec)}")
+    if args.release and rec is not None:
+        storage.delete(LEASE_KEY)
+        print(f"released: the next writer may attach (if that job still runs, it stops at its next commit)",
+              file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ray-ckpt", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -305,6 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("lease", help="show (or --release) the writer lease: which job writes the lineage")
+    p.add_argument("uri", help="storage root: a path, file://..., or s3://bucket/prefix")
+    p.add_argument("--release", action="store_true",
+                   help="delete the lease of a job that is gone, so that another writer may attach")
+    p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_lease)
     p = sub.add_parser("gc", help="delete chains older than the K newest full checkpoints")
     p.add_argument("uri", help="storage root: a path, file://..., or s3://bucket/prefix")
     p.add_argument("--keep-fulls", type=int, required=True, metavar="K")

@@ -29,6 +29,7 @@ from ray_ckpt.lineage import Lineage, Manifest, collectable, diff_name, full_nam
 from ray_ckpt.lineage import index as lineage_index
 from ray_ckpt.storage.retry import PermanentStorageError, RetryBudgetExceeded, RetryPolicy
 from ray_ckpt.storage.base import ObjectNotFound
+from ray_ckpt.engine.lease import LeaseLost
 
 log = logging.getLogger("ray_ckpt")
 
@@ -162,7 +163,7 @@ class AsyncWriter(BoundedSink):
     def __init__(self, storage, generation: int, impl, *, max_pending_bytes: int, write_retries: int = 3,
                  write_timeout: float = 300.0, info: dict | None = None,
                  on_commit: Callable[[Manifest], None] | None = None, index: list | None = None,
-                 keep_fulls: int = 0):
+                 keep_fulls: int = 0, lease=None):
         super().__init__(max_pending_bytes, f"ray_ckpt-writer-g{generation}")
         self.storage = storage
         self.generation = generation
@@ -176,6 +177,8 @@ class AsyncWriter(BoundedSink):
         self._index = list(index) if index is not None else None
         #: > 0: after each full, chains older than the keep_fulls newest fulls are deleted (needs the index list)
         self.keep_fulls = keep_fulls
+        #: the writer lease (:mod:`ray_ckpt.engine.lease`), renewed before commits; None: no lease
+        self.lease = lease
         self._batch: list = []
         self._thread.start()
 
@@ -240,6 +243,19 @@ class AsyncWriter(BoundedSink):
         manifest = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
                             object=okey, nbytes=nbytes, crc32=crc, strategy=self.impl.name,
                             info={**self.info, **(info or {})})
+        if self.lease is not None:   # another job took the lineage over: stop before writing anything of ours
+            def renew():
+                try:
+                    self.lease.renew()
+                except LeaseLost as e:   # an answer, not a storage failure: never retried
+                    return e
+                return None
+            try:
+                lost = self._retry_policy.call(renew, "renewing the writer lease")
+            except (RetryBudgetExceeded, PermanentStorageError) as e:
+                raise WriterError(str(e)) from e.__cause__
+            if lost is not None:
+                raise WriterError(str(lost))
         t0 = time.perf_counter()
         self._retry(lambda: self.storage.write(okey, bufs), okey)
         self._retry(lambda: self.storage.write(manifest.key, manifest.to_json()), manifest.key)

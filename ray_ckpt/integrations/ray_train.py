@@ -52,7 +52,7 @@ class RayCkptCallback(ControllerCallback):
     docstring). ``storage_uri``/``storage_options`` name the lineage's storage; without ``storage_uri`` it is the
     run's own place, ``<RunConfig.storage_path>/<RunConfig.name>/ray_ckpt`` (:func:`default_location`). A lineage
     belongs to the run (name) that created it: a run with another name pointed at it is refused with an error,
-    unless ``adopt=True`` (continue that lineage under this run's name). ``full_every``/``batch_steps``
+    unless ``adopt=True`` (continue that lineage under this run's name, taking over its writer lease). ``full_every``/``batch_steps``
     the frequency policy the coordinator hands to the workers; ``keep_fulls`` > 0 garbage-collects chains older
     than that many durable full checkpoints; ``mtbf_hint`` (seconds) is the adaptive policy's prior MTBF (the
     coordinator adapts ``full_every``/``batch_steps`` unless they are given); ``keep_runtime=True`` leaves the coordinator
@@ -84,7 +84,7 @@ class RayCkptCallback(ControllerCallback):
         claim_run(storage, run, adopt=self.adopt)
         coord = get_or_create_coordinator(run, storage, full_every=self.config.full_every,
                                           batch_steps=self.config.batch_steps, keep_fulls=self.config.keep_fulls,
-                                          policy_options=self.config.policy_options())
+                                          policy_options=self.config.policy_options(), takeover=self.adopt)
         ray.get(coord.set_storage.remote(storage))
         log.info("ray_ckpt: run %r checkpoints to %s", run, storage.describe())
 

@@ -30,7 +30,7 @@ def run_name(storage, run: str | None) -> str:
     return run or naming.default_run_name(storage.describe())
 
 
-def attach_sink(storage, impl, *, run: str | None, config, info: dict):
+def attach_sink(storage, impl, *, run: str | None, config, info: dict, takeover: bool = False):
     """``(run, generation, policy, sink)`` for a Checkpointer attaching with runtime='ray'. With
     ``config.replica`` and a LowDiff strategy, the run's state-tier replica is created (on the next node in
     ring order, this one on a one-node cluster) before the attach full is handed over, so it starts from it."""
@@ -38,7 +38,8 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict):
     run = run_name(storage, run)
     coord = get_or_create_coordinator(run, storage, full_every=config.full_every, batch_steps=config.batch_steps,
                                       keep_fulls=config.keep_fulls, max_replica_lag=config.max_replica_lag,
-                                      policy_options=config.policy_options())  # [policy #14]
+                                      policy_options=config.policy_options(),  # [policy #14]
+                                      takeover=takeover)
     generation, policy = ray.get([coord.new_generation.remote(), coord.get_policy.remote()])
     replica = None
     if config.replica and impl.name == "lowdiff":

@@ -38,6 +38,7 @@ from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, 
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
 from ray_ckpt.lineage import index as _lineage_index  # [lineage index #14]
+from ray_ckpt.engine.lease import Lease, LeaseLost
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.placement import prefer_node
@@ -87,6 +88,8 @@ class Coordinator:
         self.started_at = time.time()
         self._metrics = _metrics.CounterDeltas({"run": run})
         self._metrics_t = 0.0
+        self.lease = Lease(storage, run=run)   # taken by get_or_create_coordinator; renewed here
+        self.lease_lost: str | None = None
         self._changes = 0            # reports and failures seen (publish_metrics computes only after changes)
         self._published_changes = -1
         threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
@@ -201,15 +204,36 @@ class Coordinator:
             log.debug("ray_ckpt coordinator: metrics not published: %s", e)
 
     def _tick(self) -> None:
-        """Ticker thread: asks this actor to publish its metrics once a second."""
+        """Ticker thread: asks this actor to publish its metrics once a second and to check/renew the lease."""
         me = None
+        ticks = 0
         while True:
             time.sleep(1.0)
+            ticks += 1
             try:
                 me = me or ray.get_runtime_context().current_actor
                 me.publish_metrics.remote()
+                if ticks % 5 == 0:   # a small read every 5 s, a heartbeat write every ttl/3
+                    me.renew_lease.remote()
             except Exception:  # noqa: BLE001 - not an actor (tests build the class directly) or shutting down
                 return
+
+    def renew_lease(self) -> None:
+        """Heartbeat of the run's writer lease (at most once a ``ttl/3``). A lease another job took over is
+        logged as an ERROR and shown in :meth:`status` (``lease_lost``)."""
+        if self.lease_lost is not None:
+            return
+        try:
+            self.lease.renew()
+        except LeaseLost as e:
+            self.lease_lost = str(e)
+            log.error("ray_ckpt coordinator: %s", e)
+        except Exception as e:  # noqa: BLE001 - storage hiccup: the next tick retries
+            log.info("ray_ckpt coordinator: lease renewal failed (%s); retrying", e)
+
+    def release_lease(self) -> None:
+        """Delete the run's lease (end of the run)."""
+        self.lease.release()
 
     def report(self, manifest_json: bytes, node_id: str, refs: list, durable: bool) -> None:
         self._add(Manifest.from_json(manifest_json), node_id, refs, durable)
@@ -472,7 +496,7 @@ class Coordinator:
                 "replicated_objects": sum(1 for e in self.entries.values()
                                           if sum(n in alive for n in e.holders) >= 2),
                 "generation": self._last_generation, "failures": len(self.failures),
-                "restorable": self.restorable(), "started_at": self.started_at}
+                "restorable": self.restorable(), "started_at": self.started_at, "lease_lost": self.lease_lost}
 
     def restorable(self) -> dict:
         """Which steps of the current generation restore from which tier: ``{"durable": ranges (storage alone),
@@ -543,14 +567,20 @@ def _head_node_affinity():
 
 
 def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int, keep_fulls: int = 0,
-                              max_replica_lag: int = 100, policy_options: dict | None = None):
-    """The run's coordinator (created detached if missing). Any process connected to Ray."""
+                              max_replica_lag: int = 100, policy_options: dict | None = None,
+                              takeover: bool = False):
+    """The run's coordinator (created detached if missing). Any process connected to Ray.
+
+    Creating it takes the lineage's writer lease for the run (:mod:`ray_ckpt.engine.lease`): when another job
+    writes ``storage``, :class:`~ray_ckpt.engine.lease.LeaseError` names it here, in the caller (``takeover``
+    replaces a gone job's lease). The coordinator renews the lease and :func:`shutdown_run` releases it."""
     global _remote_cls
     name = naming.coordinator_name(run)
     try:
         return ray.get_actor(name, namespace=naming.NAMESPACE)
     except ValueError:
         pass
+    Lease(storage, run=run).acquire(takeover=takeover)
     if _remote_cls is None:
         _remote_cls = ray.remote(Coordinator)
     return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
@@ -561,7 +591,13 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
 
 
 def shutdown_run(run: str) -> None:
-    """Kill the run's coordinator and persistence workers (their memory tier is lost; storage stays)."""
+    """Release the run's writer lease and kill its coordinator and persistence workers (their memory tier is
+    lost; storage stays)."""
+    try:
+        coord = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
+        ray.get(coord.release_lease.remote(), timeout=30)
+    except Exception as e:  # noqa: BLE001 - gone already, or unreachable: the lease then goes stale
+        log.info("ray_ckpt: run %r: lease not released by its coordinator (%s)", run, e)
     for info in ray.util.list_named_actors(all_namespaces=True):
         aname = info["name"] if isinstance(info, dict) else info
         if aname in (naming.coordinator_name(run), naming.replica_name(run)) \

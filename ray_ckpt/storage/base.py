@@ -184,3 +184,18 @@ class StorageBackend(Protocol):
     def describe(self) -> str:
         """A human-readable URI of the root with its connection options, never with secrets."""
         ...
+
+    # Conditional writes, for small coordination objects (the writer lease), not for checkpoint data:
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Store ``data`` at ``key`` only if no object is there (atomically: of two concurrent creators exactly
+        one succeeds). Returns False when the object exists."""
+        ...
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object and an opaque version token for :meth:`replace_if`."""
+        ...
+
+    def replace_if(self, key: str, data: bytes, version: str) -> bool:
+        """Replace ``key`` only if it is still at ``version`` (compare-and-swap). Returns False otherwise."""
+        ...

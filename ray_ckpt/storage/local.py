@@ -121,6 +121,66 @@ class LocalBackend:
         except OSError as e:
             raise StorageError(f"cannot write {self.key_uri(key)}: {e}") from e
 
+    # ---- conditional writes (the writer lease) ----------------------------------------------------------------
+    def _locked(self, path: str):
+        """An exclusive ``flock`` on ``<path>.lock``: conditional writes of one key exclude each other across
+        processes on this file system."""
+        import contextlib
+        import fcntl
+
+        @contextlib.contextmanager
+        def cm():
+            self._ensure_dir(os.path.dirname(path))
+            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the lock
+        return cm()
+
+    @staticmethod
+    def _version(path: str) -> str:
+        st = os.stat(path)
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+    def create(self, key: str, data: Data) -> bool:
+        """Create ``key`` only if absent (under the key's lock). Any process; thread-safe."""
+        path = self._path(key)
+        try:
+            with self._locked(path):
+                if os.path.exists(path):
+                    return False
+                self.write(key, data)
+                return True
+        except OSError as e:
+            raise StorageError(f"cannot create {self.key_uri(key)}: {e}") from e
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        path = self._path(key)
+        try:
+            with self._locked(path):
+                return self.read(key), self._version(path)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"no object {self.key_uri(key)}") from None
+        except OSError as e:
+            raise StorageError(f"cannot read {self.key_uri(key)}: {e}") from e
+
+    def replace_if(self, key: str, data: Data, version: str) -> bool:
+        """Replace ``key`` if it is still at ``version`` (under the key's lock). Any process; thread-safe."""
+        path = self._path(key)
+        try:
+            with self._locked(path):
+                try:
+                    if self._version(path) != version:
+                        return False
+                except FileNotFoundError:
+                    return False
+                self.write(key, data)
+                return True
+        except OSError as e:
+            raise StorageError(f"cannot replace {self.key_uri(key)}: {e}") from e
+
     def read(self, key: str) -> bytes:
         """Return the whole object. Runs in any process; thread-safe."""
         path = self._path(key)

@@ -288,6 +288,48 @@ class S3Backend:
                                           proxies={}, retries={"max_attempts": 3}))
         return self._botocore
 
+    # ---- conditional writes (the writer lease): S3's If-None-Match / If-Match on PutObject -----------------------
+    def _conditional_client(self):
+        client = self._list_client()
+        if client is None:
+            raise StorageError(f"conditional writes on {self.uri} need botocore and plain endpoint/credential "
+                               f"options (used for the writer lease)")
+        return client
+
+    def _put_if(self, key: str, data, what: str, **cond) -> bool:
+        client = self._conditional_client()
+        root = f"{self.prefix}/" if self.prefix else ""
+        body = b"".join(bytes(b) for b in as_buffers(data))
+        try:
+            client.put_object(Bucket=self.bucket, Key=root + validate_key(key), Body=body, **cond)
+            return True
+        except Exception as e:  # noqa: BLE001 - botocore's errors
+            code = getattr(e, "response", {}).get("Error", {}).get("Code")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise StorageError(f"cannot {what} {self.key_uri(key)}: {e}") from e
+
+    def create(self, key: str, data: Data) -> bool:
+        """PutObject with ``If-None-Match: *``: only if absent. Any process; thread-safe."""
+        return self._put_if(key, data, "create", IfNoneMatch="*")
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        """GetObject: the bytes and the ETag. Any process; thread-safe."""
+        client = self._conditional_client()
+        root = f"{self.prefix}/" if self.prefix else ""
+        try:
+            resp = client.get_object(Bucket=self.bucket, Key=root + validate_key(key))
+            return resp["Body"].read(), resp["ETag"]
+        except Exception as e:  # noqa: BLE001
+            code = getattr(e, "response", {}).get("Error", {}).get("Code")
+            if code in ("NoSuchKey", "404"):
+                raise ObjectNotFound(f"no object {self.key_uri(key)}") from None
+            raise StorageError(f"cannot read {self.key_uri(key)}: {e}") from e
+
+    def replace_if(self, key: str, data: Data, version: str) -> bool:
+        """PutObject with ``If-Match: <ETag>``: compare-and-swap. Any process; thread-safe."""
+        return self._put_if(key, data, "replace", IfMatch=version)
+
     def delete(self, key: str) -> None:
         """Remove the object; a missing one is not an error. Runs in any process; thread-safe.
 
