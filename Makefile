@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
-.PHONY: venv demo test bench bench-quick bench-fast clean
+.PHONY: venv demo test reliability bench bench-quick bench-fast clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the long fault trials (SIGKILLs at 20 seeded points, outages...) and the table of their outcomes
+reliability: $(STAMP)
+	$(PY) -m pytest -q tests/reliability --run-long
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run --mode full

@@ -220,3 +220,12 @@ def storage_uri(request, tmp_path) -> StorageTarget:
     if request.param == "local":
         return StorageTarget(str(tmp_path / "store"), {})
     return request.getfixturevalue("s3_uri")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The reliability table (tests/reliability), when any fault trials ran in this session."""
+    from tests.reliability import ROWS, table
+    if ROWS:
+        terminalreporter.write_sep("=", "reliability: faults injected, outcomes")
+        terminalreporter.write_line(table(ROWS))
+

@@ -276,3 +276,33 @@ def test_branches_and_gc_keep_what_the_live_timeline_needs(tmp_path):
     m = T.make_model("mlp", seed=5)
     o = T.make_optimizer("adamw", m)
     assert ray_ckpt.restore(uri, m, o) == 40
+
+
+def test_gc_collects_per_rank_loop_state_by_the_main_timeline(tmp_path):
+    """ranks/<r>/ lineages (RNG and extra state of ranks > 0) are collected with the main lineage: a rank's
+    manifests are judged by the main generation they recorded for, not by the rank's own generation numbers."""
+    from ray_ckpt.engine.gc import collect
+    from ray_ckpt.engine.rankloop import RankLoopRecorder
+    uri = tmp_path / "c"
+    main_m, other_m = T.make_model("mlp"), T.make_model("mlp")
+    main_o, other_o = T.make_optimizer("adamw", main_m), T.make_optimizer("adamw", other_m)
+    storage = ray_ckpt.api.open_uri(uri)
+    RankLoopRecorder(storage, 1, other_m, other_o, main_generation=1, start_step=0,  # a stale earlier record
+                     full_every=5, batch_steps=2).close()
+    rank_gen_before = len(list((uri / "ranks" / "1" / "manifests").iterdir()))
+    ck = ray_ckpt.Checkpointer(uri, main_m, main_o, full_every=5, batch_steps=2)         # main generation 1
+    rec = RankLoopRecorder(storage, 1, other_m, other_o, main_generation=ck.generation, start_step=0,
+                           full_every=5, batch_steps=2)                                  # rank generation 2
+    for s in range(16):
+        T.train_step("mlp", main_m, main_o, None, s)
+        T.train_step("mlp", other_m, other_o, None, s)
+    ck.close()
+    rec.close()
+    res = collect(storage, keep_fulls=2)
+    assert res.kept_from_step == 10 and res.rank_deleted[1]
+    assert all(m.last_step < 10 for m in res.rank_deleted[1])
+    left = sorted((m.generation, m.first_step, m.last_step) for m in
+                  ray_ckpt.engine.restore.load_lineage(ray_ckpt.engine.rankloop.rank_storage(storage, 1),
+                                                       use_index=False)[0].manifests)
+    assert left and all(last >= 10 for _, _, last in left), left
+    assert rank_gen_before > 0

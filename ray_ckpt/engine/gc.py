@@ -11,11 +11,12 @@ Runs in the calling process (CLI, tests); no Ray.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ray_ckpt.engine.rankloop import RANKS_DIR, rank_storage
+from ray_ckpt.engine.rankloop import MAIN_GENERATION, RANKS_DIR, rank_storage
 from ray_ckpt.engine.restore import load_lineage
 from ray_ckpt.lineage import Manifest, collectable, gc_cutoff
 from ray_ckpt.lineage import index as lineage_index
@@ -47,36 +48,61 @@ def collect(storage, keep_fulls: int, *, dry_run: bool = False,
     """Delete what only serves steps before the ``keep_fulls`` newest fulls (see the module docstring)."""
     lineage, _ = load_lineage(storage, strict=False, use_index=False)
     cutoff = gc_cutoff(lineage, keep_fulls)
-    doomed = [m for m in lineage.manifests if collectable(lineage, m, cutoff)]
-    if not doomed:
-        return GcResult(None, dry_run=dry_run)
-    out = GcResult(cutoff.last_step if cutoff is not None else None, doomed, dry_run=dry_run)
-    ranks = {}
-    for key in storage.list(RANKS_DIR):
-        rank = key[len(RANKS_DIR):].split("/", 1)[0]
-        if rank.isdigit():
-            ranks.setdefault(int(rank), None)
-    for r in sorted(ranks):
-        rs = rank_storage(storage, r)
-        rl, _ = load_lineage(rs, strict=False, use_index=False)
-        # a rank lineage shares the main lineage's generations: the main lineage's timeline decides
-        doomed = [m for m in rl.manifests if collectable(lineage, m, cutoff)]
-        if doomed:
-            out.rank_deleted[r] = doomed
-            ranks[r] = (rs, rl)
-    if dry_run:
+    out = GcResult(cutoff.last_step if cutoff is not None else None,
+                   [m for m in lineage.manifests if collectable(lineage, m, cutoff)], dry_run=dry_run)
+    ranks = rank_garbage(storage, lineage, cutoff)
+    out.rank_deleted = {r: doomed for r, (_, _, doomed) in ranks.items()}
+    if dry_run or out.count == 0:
         return out
     jobs = [(storage, m) for m in out.deleted] + [(ranks[r][0], m) for r, ms in out.rank_deleted.items() for m in ms]
     for i, (st, m) in enumerate(jobs, 1):
-        lineage_index.delete_committed(st, [m], missing=(ObjectNotFound,))   # manifest first: uncommitted before the object goes
+        # manifest first: uncommitted before the object goes
+        lineage_index.delete_committed(st, [m], missing=(ObjectNotFound,))
         if progress is not None:
             progress(i, len(jobs))
     _reindex(storage, lineage, out.deleted)
-    for r, ms in out.rank_deleted.items():
-        _reindex(*ranks[r], ms)
-    log.info("ray_ckpt: gc of %s kept fulls from step %d, deleted %d objects", storage.describe(),
-             cutoff.last_step, out.count)
+    for rs, rl, doomed in ranks.values():
+        _reindex(rs, rl, doomed)
+    log.info("ray_ckpt: gc of %s (keep_fulls=%d) deleted %d objects", storage.describe(), keep_fulls, out.count)
     return out
+
+
+def rank_garbage(storage, lineage, cutoff) -> dict[int, tuple]:
+    """Per rank: ``(rank storage, rank lineage, collectable manifests)`` of the per-rank loop-state lineages
+    (each manifest judged by the main lineage's timeline and ``cutoff``, as of the main generation it names)."""
+    out = {}
+    ranks = set()
+    for key in storage.list(RANKS_DIR):
+        rank = key[len(RANKS_DIR):].split("/", 1)[0]
+        if rank.isdigit():
+            ranks.add(int(rank))
+    for r in sorted(ranks):
+        rs = rank_storage(storage, r)
+        rl, _ = load_lineage(rs, strict=False, use_index=False)
+        doomed = [m for m in rl.manifests if _rank_collectable(lineage, m, cutoff)]
+        if doomed:
+            out[r] = (rs, rl, doomed)
+    return out
+
+
+def _rank_collectable(lineage, m: Manifest, cutoff) -> bool:
+    """A rank's generations are its own; each of its manifests names the main generation it recorded for
+    (``main_generation``): judged as a manifest of that generation. One without it is kept."""
+    main_gen = m.info.get(MAIN_GENERATION) if isinstance(m.info, dict) else None
+    if not isinstance(main_gen, int) or isinstance(main_gen, bool):
+        return False
+    return collectable(lineage, dataclasses.replace(m, generation=main_gen), cutoff)
+
+
+def collect_ranks(storage, lineage, cutoff) -> int:
+    """Delete the per-rank loop state that ``cutoff`` makes collectable (the coordinator's ``keep_fulls``).
+    Returns the number of objects deleted."""
+    n = 0
+    for rs, rl, doomed in rank_garbage(storage, lineage, cutoff).values():
+        lineage_index.delete_committed(rs, doomed, missing=(ObjectNotFound,))
+        _reindex(rs, rl, doomed)
+        n += len(doomed)
+    return n
 
 
 def _reindex(storage, lineage, deleted: list[Manifest]) -> None:

@@ -38,6 +38,7 @@ from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, 
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
 from ray_ckpt.lineage import index as _lineage_index  # [lineage index #14]
+from ray_ckpt.engine import gc as _gc
 from ray_ckpt.engine.lease import Lease, LeaseLost
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
@@ -540,6 +541,10 @@ class Coordinator:
                     pass
             del self.entries[m.name]
             deleted.append(m.name)
+        try:  # the ranks' loop-state lineages (ranks/<r>/) by the same rule
+            _gc.collect_ranks(self.storage, lin, cutoff)
+        except Exception as e:  # noqa: BLE001 - retried at the next full
+            log.warning("ray_ckpt coordinator: could not collect per-rank loop state: %s", e)
         return deleted
 
 

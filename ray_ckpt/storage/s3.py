@@ -285,7 +285,11 @@ class S3Backend:
             aws_access_key_id=o.get("access_key"), aws_secret_access_key=o.get("secret_key"),
             aws_session_token=o.get("session_token"),
             config=botocore.config.Config(s3={"addressing_style": "path"} if endpoint else {},
-                                          proxies={}, retries={"max_attempts": 3}))
+                                          proxies={}, retries={"max_attempts": 3},
+                                          # the same timeouts as the pyarrow filesystem (botocore's default
+                                          # 60 s would hold a lease check that long during an outage)
+                                          connect_timeout=float(o.get("connect_timeout") or 10),
+                                          read_timeout=float(o.get("request_timeout") or 30)))
         return self._botocore
 
     # ---- conditional writes (the writer lease): S3's If-None-Match / If-Match on PutObject -----------------------

@@ -1,4 +1,5 @@
-"""Storage outages (issue #12): a real S3 endpoint over HTTP goes away for 20 s while training runs; writes are
+"""Storage outages (issue #12): a real S3 endpoint over HTTP goes away (5-6 s in make test, 20 s in make
+reliability) while training runs; writes are
 retried with backoff within ``write_timeout``, training goes on (until the memory budget makes it wait), and
 every step is restorable afterwards. Beyond the budget the error is clear. The outage is a TCP proxy in front
 of the moto server (tests/_outage.py): connections refused and cut, the server's buckets kept."""
@@ -14,6 +15,7 @@ import ray
 import ray_ckpt
 from ray_ckpt.storage.retry import PermanentStorageError, RetryBudgetExceeded, RetryPolicy, is_permanent
 from tests import _training as T
+from tests.reliability import record
 from tests._outage import OutageProxy
 
 OUTAGE_S = 20.0
@@ -141,7 +143,8 @@ def _assert_every_step(uri, opts, ref, steps, **kw):
 
 
 @pytest.mark.s3
-def test_a_20s_outage_costs_time_not_data_local_runtime(s3_server, outage, caplog):
+@pytest.mark.parametrize("outage_s", [6.0, pytest.param(OUTAGE_S, marks=pytest.mark.long)])   # 20 s: reliability
+def test_an_outage_costs_time_not_data_local_runtime(s3_server, outage, caplog, outage_s):
     uri, opts = _target(s3_server, outage, "outage-local")
     ref = T.reference_states(40)
     model = T.make_model("mlp")
@@ -150,11 +153,13 @@ def test_a_20s_outage_costs_time_not_data_local_runtime(s3_server, outage, caplo
     with caplog.at_level(logging.WARNING, logger="ray_ckpt"):
         with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, storage_options=opts, full_every=10,
                                    batch_steps=4, policy="fixed", write_timeout=120) as ck:
-            lag = _train_through_outage(ck, model, opt, sch, outage)
+            lag = _train_through_outage(ck, model, opt, sch, outage, outage_s=outage_s)
             assert lag >= 15, lag            # stats() showed the durable lag during the outage
         assert ck.last_committed_step == 40 and ck.stats()["durable_lag_steps"] == 0
     assert "retrying" in caplog.text and "succeeded after" in caplog.text
     _assert_every_step(uri, opts, ref, range(41))
+    record(f"S3 outage {outage_s:.0f} s (runtime=local)", trials=1, recovered=1, bitwise=1, steps_lost=[0],
+           max_stall_s=ck.stats()["stall_seconds"])
 
 
 @pytest.mark.s3
@@ -179,8 +184,9 @@ def test_an_outage_longer_than_the_budget_is_a_clear_error(s3_server, outage):
 
 @pytest.mark.s3
 @pytest.mark.ray
-def test_an_outage_costs_time_not_data_ray_runtime(s3_server, outage, ray_cluster):  # noqa: F811
-    """The same through the persistence workers (a 10 s outage: the retry path is the same as for 20 s)."""
+@pytest.mark.parametrize("outage_s", [5.0, pytest.param(OUTAGE_S, marks=pytest.mark.long)])
+def test_an_outage_costs_time_not_data_ray_runtime(s3_server, outage, ray_cluster, outage_s):  # noqa: F811
+    """The same through the persistence workers."""
     from ray_ckpt.runtime import naming
     from ray_ckpt.runtime.coordinator import shutdown_run
     uri, opts = _target(s3_server, outage, "outage-ray")
@@ -193,11 +199,13 @@ def test_an_outage_costs_time_not_data_ray_runtime(s3_server, outage, ray_cluste
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, storage_options=opts, full_every=10,
                                    batch_steps=4, policy="fixed", runtime="ray", run=run, write_timeout=120,
                                    replica=False)
-        _train_through_outage(ck, model, opt, sch, outage, outage_s=10.0)
+        _train_through_outage(ck, model, opt, sch, outage, outage_s=outage_s)
         ck.close(timeout=300)
         coord = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
         st = ray.get(coord.status.remote())
         assert st["durable_step"] == 40 and not st["gaps"], st
         _assert_every_step(uri, opts, ref, range(0, 41, 3), runtime="local")   # from storage alone
+        record(f"S3 outage {outage_s:.0f} s (runtime=ray)", trials=1, recovered=1, bitwise=1, steps_lost=[0],
+               max_stall_s=ck.stats()["stall_seconds"])
     finally:
         shutdown_run(run)

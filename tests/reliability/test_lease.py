@@ -14,6 +14,7 @@ import ray_ckpt
 from ray_ckpt.engine.lease import LEASE_KEY, Lease, LeaseError
 from ray_ckpt.storage import open_storage
 from tests import _training as T
+from tests.reliability import record
 
 HOLDER = r"""
 import sys, time, torch
@@ -39,7 +40,7 @@ except ray_ckpt.WriterError as e:
 
 
 def _holder(uri):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=root, uri=str(uri))], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "attached", p.stderr.read()
@@ -74,6 +75,8 @@ def test_second_writer_is_refused_then_takes_over_explicitly(tmp_path):
         assert a.wait(timeout=60) == 3
         ck.close()
         assert not (uri / LEASE_KEY).exists()                       # released at close
+        record("second writer on one lineage: refused, then explicit takeover", trials=1, recovered=1, bitwise=1,
+               steps_lost=[0])
     finally:
         a.kill()
 
