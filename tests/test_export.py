@@ -306,3 +306,54 @@ def test_gc_collects_per_rank_loop_state_by_the_main_timeline(tmp_path):
                                                        use_index=False)[0].manifests)
     assert left and all(last >= 10 for _, _, last in left), left
     assert rank_gen_before > 0
+
+
+KILLED_GC = r"""
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from ray_ckpt.engine.gc import collect
+from ray_ckpt.storage import open_storage
+st = open_storage({uri!r})
+real, n = st.delete, [0]
+def delete(key):
+    real(key)
+    n[0] += 1
+    if n[0] == {after}:          # between a manifest and its object: the collection is cut there
+        os.kill(os.getpid(), signal.SIGKILL)
+st.delete = delete
+collect(st, keep_fulls=1)
+"""
+
+
+def test_a_collection_killed_midway_loses_nothing_needed(gpt_run, tmp_path):
+    """SIGKILL of `gc` after a manifest was deleted and before its object: every step from the kept fulls still
+    restores bitwise, `verify` passes, and the next collection finishes the job (the orphan object included)."""
+    import shutil
+    import signal
+    uri, ref = gpt_run
+    gc_uri = tmp_path / "gc"
+    shutil.copytree(uri, gc_uri)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", KILLED_GC.format(root=root, uri=str(gc_uri), after=3)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    for step in (10, 11, STEPS):          # keep_fulls=1: the full at 10 and what follows
+        m = T.make_model("gpt", seed=2)
+        o = T.make_optimizer("adamw", m)
+        assert ray_ckpt.restore(gc_uri, m, o, step=step) == step
+        T.assert_same({"model": m.state_dict(), "opt": o.state_dict()},
+                      {"model": ref[step]["model"], "opt": ref[step]["opt"]}, f"after a killed gc, step {step}")
+    assert _run("verify", gc_uri, "-q").returncode == 0
+
+    def names():
+        return ({p.stem for p in (gc_uri / "manifests").iterdir()},
+                {p.name[:-len(".rckpt")] for p in (gc_uri / "objects").iterdir()})
+
+    manifests, objects = names()
+    orphans = objects - manifests
+    assert len(orphans) == 1 and not manifests - objects, (orphans, manifests - objects)   # cut mid-pair
+    got = json.loads(_run("gc", gc_uri, "--keep-fulls", 1, "--json").stdout)
+    assert f"objects/{orphans.pop()}.rckpt" in got["objects"]
+    manifests, objects = names()
+    assert objects == manifests, objects ^ manifests                 # no orphan left
+    assert json.loads(_run("ls", gc_uri, "--json").stdout)["generations"][0]["fulls"] == [10]

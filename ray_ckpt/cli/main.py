@@ -254,7 +254,7 @@ def cmd_gc(storage, args) -> int:
     finally:
         if bar is not None:
             bar.close()
-    objects = [m.object for m in res.deleted] + [f"ranks/{r}/{m.object}" for r, ms in res.rank_deleted.items()
+    objects = res.orphans + [m.object for m in res.deleted] + [f"ranks/{r}/{m.object}" for r, ms in res.rank_deleted.items()
                                                  for m in ms]
     if args.json:
         print(json.dumps({"dry_run": res.dry_run, "kept_from_step": res.kept_from_step, "objects": objects,

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ray_ckpt.engine.rankloop import MAIN_GENERATION, RANKS_DIR, rank_storage
 from ray_ckpt.engine.restore import load_lineage
 from ray_ckpt.lineage import Manifest, collectable, gc_cutoff
+from ray_ckpt.lineage.layout import OBJECTS_DIR, OBJECT_SUFFIX, parse_name
 from ray_ckpt.lineage import index as lineage_index
 from ray_ckpt.storage import ObjectNotFound
 
@@ -33,6 +35,7 @@ class GcResult:
     deleted: list[Manifest] = field(default_factory=list)  #: main lineage
     rank_deleted: dict[int, list[Manifest]] = field(default_factory=dict)
     dry_run: bool = False
+    orphans: list[str] = field(default_factory=list)   #: object keys without a manifest (interrupted collection)
 
     @property
     def nbytes(self) -> int:
@@ -40,7 +43,7 @@ class GcResult:
 
     @property
     def count(self) -> int:
-        return len(self.deleted) + sum(len(ms) for ms in self.rank_deleted.values())
+        return len(self.deleted) + sum(len(ms) for ms in self.rank_deleted.values()) + len(self.orphans)
 
 
 def collect(storage, keep_fulls: int, *, dry_run: bool = False,
@@ -52,7 +55,8 @@ def collect(storage, keep_fulls: int, *, dry_run: bool = False,
                    [m for m in lineage.manifests if collectable(lineage, m, cutoff)], dry_run=dry_run)
     ranks = rank_garbage(storage, lineage, cutoff)
     out.rank_deleted = {r: doomed for r, (_, _, doomed) in ranks.items()}
-    if dry_run or out.count == 0:
+    out.orphans = _orphans(storage, lineage, cutoff)
+    if dry_run or (out.count == 0 and not out.orphans):
         return out
     jobs = [(storage, m) for m in out.deleted] + [(ranks[r][0], m) for r, ms in out.rank_deleted.items() for m in ms]
     for i, (st, m) in enumerate(jobs, 1):
@@ -60,10 +64,35 @@ def collect(storage, keep_fulls: int, *, dry_run: bool = False,
         lineage_index.delete_committed(st, [m], missing=(ObjectNotFound,))
         if progress is not None:
             progress(i, len(jobs))
+    for key in out.orphans:   # objects whose manifest an interrupted collection already deleted
+        try:
+            storage.delete(key)
+        except ObjectNotFound:
+            pass
     _reindex(storage, lineage, out.deleted)
     for rs, rl, doomed in ranks.values():
         _reindex(rs, rl, doomed)
     log.info("ray_ckpt: gc of %s (keep_fulls=%d) deleted %d objects", storage.describe(), keep_fulls, out.count)
+    return out
+
+
+def _orphans(storage, lineage, cutoff) -> list[str]:
+    """Object keys without a manifest whose name (generation, steps) is collectable: left by a collection that
+    was killed between deleting a manifest and its object. Only below a real cutoff (more fulls than kept):
+    an object a live writer has written but not yet committed is newer than the kept fulls, never touched."""
+    if cutoff is None:
+        return []
+    named = {m.object for m in lineage.manifests}
+    out = []
+    for key in storage.list(OBJECTS_DIR):
+        if key in named or not key.endswith(OBJECT_SUFFIX):
+            continue
+        parsed = parse_name(key[len(OBJECTS_DIR):-len(OBJECT_SUFFIX)])
+        if parsed is None:
+            continue
+        gen, kind, first, last = parsed
+        if collectable(lineage, SimpleNamespace(generation=gen, kind=kind, first_step=first, last_step=last), cutoff):
+            out.append(key)
     return out
 
 

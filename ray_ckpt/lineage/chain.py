@@ -196,7 +196,7 @@ class Lineage:
 def gc_cutoff(lineage: Lineage, keep_fulls: int) -> Manifest | None:
     """The oldest full kept when only the ``keep_fulls`` newest fulls *of the current timeline* are kept (a full
     of a generation past the step a newer generation branched from belongs to an abandoned timeline and does
-    not count); None when there is nothing to collect. Pure."""
+    not count); None when there are ``keep_fulls`` or fewer. Pure."""
     if keep_fulls < 1:
         raise ValueError(f"keep_fulls must be >= 1, got {keep_fulls}")
     live = []
