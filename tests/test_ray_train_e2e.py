@@ -158,6 +158,7 @@ def test_node_removed_elastic_run_continues_from_exact_step(tmp_path, reference,
     _assert_finals(out, reference, 1, "elastic run", same_as_reference=False)  # 1 worker after the resize
 
 
+@pytest.mark.long   # make test covers a new driver resuming a lineage in test_ray_train_conventions (adopt)
 def test_restarted_driver_resumes_from_lineage(tmp_path, reference, ray_cluster):  # noqa: F811
     import signal
     import subprocess

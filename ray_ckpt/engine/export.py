@@ -233,7 +233,11 @@ def _from_json(x: Any) -> Any:
 def load_export(path: str | os.PathLike) -> dict:
     """An export written by :func:`export`, in any format, as ``{"step", "model", "optimizer", "param_names",
     "loop"}`` (``optimizer`` keyed as ``optimizer.state_dict()``; ``loop`` is None for safetensors, which
-    holds model and optimizer only). Calling process."""
+    holds model and optimizer only). Calling process.
+
+    The ``torch`` and ``dcp`` formats hold the loop state (RNG states with numpy arrays, scheduler and user
+    extra state) as pickled Python objects, as ``torch.save`` and DCP do: loading them unpickles, so load only
+    exports you (or your jobs) wrote. Loading ``safetensors`` never executes code."""
     path = os.fspath(path)
     try:
         with open(os.path.join(path, INFO_FILE)) as f:
