@@ -23,9 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# the long fault trials (SIGKILLs at 20 seeded points, outages...) and the table of their outcomes
+# the long fault trials (SIGKILLs at 20 seeded points, 20 s outages...) with the table of their outcomes, then
+# the other long tests (Ray Train SIGKILL and driver restart, the second continuation kill, the full-size fuzz)
 reliability: $(STAMP)
 	$(PY) -m pytest -q tests/reliability --run-long
+	$(PY) -m pytest -q tests --ignore=tests/reliability --run-long -m long
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run --mode full
