@@ -314,20 +314,34 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
 POINTER_FILE = "ray_ckpt_pointer.json"
 
 
+def read_pointer(checkpoint) -> dict | None:
+    """The pointer (``{"storage_uri", "run", "step"}``) in a checkpoint reported by
+    :func:`ray_ckpt.train.attach` (anything with ``as_directory()``); None when it holds no pointer file."""
+    import json
+    with checkpoint.as_directory() as d:
+        path = os.path.join(d, POINTER_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+
+def write_pointer(directory: str, pointer: dict) -> None:
+    """Write the pointer file into ``directory`` (a checkpoint directory about to be reported)."""
+    import json
+    with open(os.path.join(directory, POINTER_FILE), "w") as f:
+        json.dump(pointer, f)
+
+
 def _from_pointer(uri, step: int | None) -> tuple[Any, int | None]:
     """``(uri, step)`` named by a pointer checkpoint (anything with ``as_directory()`` holding
     :data:`POINTER_FILE`); other ``uri`` values pass through."""
-    as_directory = getattr(uri, "as_directory", None)
-    if not callable(as_directory):
+    if not callable(getattr(uri, "as_directory", None)):
         return uri, step
-    import json
-    with as_directory() as d:
-        path = os.path.join(d, POINTER_FILE)
-        if not os.path.exists(path):
-            raise ValueError(f"{uri!r} is not a ray_ckpt pointer checkpoint (no {POINTER_FILE}): was it reported "
-                             f"by ray_ckpt.train.attach?")
-        with open(path) as f:
-            ptr = json.load(f)
+    ptr = read_pointer(uri)
+    if ptr is None:
+        raise ValueError(f"{uri!r} is not a ray_ckpt pointer checkpoint (no {POINTER_FILE}): was it reported "
+                         f"by ray_ckpt.train.attach?")
     return ptr["storage_uri"], (ptr["step"] if step is None else step)
 
 

@@ -212,9 +212,6 @@ def _jsonable(x: Any, what: str) -> Any:
         return [_jsonable(v, what) for v in x]
     if isinstance(x, dict) and all(isinstance(k, str) for k in x):
         return {k: _jsonable(v, what) for k, v in x.items()}
-    if isinstance(x, torch.Tensor) and x.numel() == 1:
-        raise ExportError(f"{what}: a tensor inside a param group cannot go to safetensors metadata; use --format "
-                          f"torch or dcp")
     raise ExportError(f"{what}: {type(x).__name__} cannot be written to safetensors metadata; use --format torch "
                       f"or dcp")
 

@@ -37,7 +37,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from ray_ckpt import storage as _storage
 from ray_ckpt.config import CheckpointConfig
-from ray_ckpt.api import POINTER_FILE, Checkpointer, _unwrap, restore
+from ray_ckpt.api import Checkpointer, _unwrap, read_pointer, restore, write_pointer
 from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
@@ -234,13 +234,11 @@ class TrainSession:
             if not os.path.isdir(str(checkpoint.path)):
                 raise ValueError("TrainSession.report adds the ray_ckpt pointer to a checkpoint in a local "
                                  "directory; this one is at " + str(checkpoint.path))
-            with open(os.path.join(checkpoint.path, POINTER_FILE), "w") as f:
-                json.dump(pointer, f)
+            write_pointer(str(checkpoint.path), pointer)
             ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
             return
         with tempfile.TemporaryDirectory() as d:
-            with open(os.path.join(d, POINTER_FILE), "w") as f:
-                json.dump(pointer, f)
+            write_pointer(d, pointer)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d), **kwargs)
 
     def close(self, timeout: float | None = None, *, report: bool = True) -> None:
@@ -481,12 +479,9 @@ def _resolve_storage(run: str, storage_uri, storage_options):
         if storage is not None:
             return storage
     ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            p = os.path.join(d, POINTER_FILE)
-            if os.path.exists(p):
-                with open(p) as f:
-                    return _storage.open_storage(json.load(f)["storage_uri"], **(storage_options or {}))
+    ptr = read_pointer(ckpt) if ckpt is not None else None
+    if ptr is not None:
+        return _storage.open_storage(ptr["storage_uri"], **(storage_options or {}))
     raise ValueError("ray_ckpt.train.attach needs a storage: add RayCkptCallback(storage_uri) to "
                      "RunConfig(callbacks=...) or pass storage_uri=")
 
@@ -499,13 +494,6 @@ def _pointer_hook(session: TrainSession):
             session._report()
 
     return hook
-
-
-def read_pointer(checkpoint) -> dict:
-    """The pointer in a Ray Train checkpoint reported by :func:`attach` (``Result.checkpoint``). Any process."""
-    with checkpoint.as_directory() as d:
-        with open(os.path.join(d, POINTER_FILE)) as f:
-            return json.load(f)
 
 
 __all__ = ["RayCkptCallback", "RestoreError", "TrainSession", "agreed_restore", "attach", "read_pointer",
