@@ -104,6 +104,7 @@ class Checkpointer:
             self._capture = impl.make_capture(model, optimizer, self._writer, policy, start_step=start_step,
                                               scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                                               capture_rng=self.config.capture_rng, fingerprint_every=fp_every)
+            self._capture._copy.pool.max_bytes = self.config.max_pending_bytes
         except BaseException:      # bad arguments found late: nothing stays held (writer thread, lease)
             if self._writer is not None:
                 self._writer.close()

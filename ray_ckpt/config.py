@@ -183,7 +183,9 @@ class CheckpointConfig:
     #: ``max_pending_bytes`` is held), never data
     write_timeout: float = 300.0
     #: runtime="ray": bytes each node's PersistenceWorker may hold in the object store (durable objects are
-    #: released oldest first beyond it; the newest full is kept)
+    #: released oldest first beyond it; the newest full is kept). Capped, with a warning, at 60% of the node's
+    #: object store: a budget the object store cannot hold makes Ray spill held chunks to disk and read them back
+    #: (measured: spilling cost more CPU per step than all of ray_ckpt's own work)
     memory_budget: int = 2 * _GiB
     #: keep only the chains of the newest this-many durable full checkpoints of the current timeline (older fulls
     #: and their diffs, and abandoned branches, are deleted: by the coordinator from storage and memory with

@@ -100,6 +100,14 @@ def test_replica_writes_the_fulls_and_restores_the_latest_step_with_zero_replay(
     m, o, sc = _fresh()
     assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == 50
     T.assert_same(ref[50], T.snapshot(m, o, sc), "latest from the replica")
+    # an older step restores from the newest durable replica full before it, not from the (longer) chain of the
+    # attach full plus diffs that the memory tier still holds
+    for s, replayed in ((30, 0), (33, 3)):
+        chain, tiers = load_via_coordinator(storage, s, run=run)
+        assert chain.step == s and chain.plan.full.last_step == 30 and tiers["replayed"] == replayed, tiers
+        m, o, sc = _fresh()
+        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime="ray", run=run) == s
+        T.assert_same(ref[s], T.snapshot(m, o, sc), f"step {s} from the replica's full")
 
 
 def test_batches_are_one_actor_call_each_and_stay_whole(run_env):

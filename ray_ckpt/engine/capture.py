@@ -138,12 +138,77 @@ class Sink(Protocol):
 
 
 # ------------------------------------------------------------------------------------------------------------
+class HostPool:
+    """Recycled host buffers for the dense copies a capture takes every step (CPU training).
+
+    A fresh tensor per captured gradient costs its allocation and a page fault per 4 KiB page on first touch
+    (glibc hands large blocks back to the kernel when they are freed): measured 0.75 ms per step for the 2.7 MB of
+    the Fashion-MNIST MLP against 0.16 ms for a copy into a buffer already in memory, and several times more on a
+    loaded 2-core machine. The capture takes a buffer with :meth:`take`; the record carries the buffers it took,
+    and its sink gives them back with :func:`ray_ckpt.format.records.recycle` once nothing reads them any more (written, or held on two
+    nodes). A record that is never recycled (an error, a closed sink) is simply garbage-collected.
+
+    Thread-safe: taken on the training thread, given back on a background thread. At most ``max_bytes`` of free
+    buffers are kept (the Checkpointer sets it to its ``max_pending_bytes``: the buffers in flight are bounded by
+    the same figure, so the pool never holds more than the sink may).
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self.free_bytes = 0
+        self._free: dict = collections.defaultdict(list)
+        self._lock = threading.Lock()
+        self.allocated = 0      #: buffers allocated (a miss)
+        self.reused = 0         #: buffers taken from the pool (a hit)
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(shape), dtype)
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                self.reused += 1
+                t = free.pop()
+                self.free_bytes -= t.numel() * t.element_size()
+                return t
+            self.allocated += 1
+        return torch.empty(shape, dtype=dtype)
+
+    def give(self, tensors: list) -> None:
+        with self._lock:
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                if self.free_bytes + n <= self.max_bytes:
+                    self._free[(tuple(t.shape), t.dtype)].append(t)
+                    self.free_bytes += n
+
+
 class _HostCopier:
     """Copies tensors to host memory; for CUDA tensors asynchronously into pinned memory, with one event per
-    captured item that the encoder waits on (so the training thread never synchronizes the device)."""
+    captured item that the encoder waits on (so the training thread never synchronizes the device); dense CPU
+    copies of the per-step record go into recycled buffers (:class:`HostPool`, :meth:`pooled`)."""
 
     def __init__(self):
         self.cuda_used = False
+        self.pool = HostPool()
+        self._taken: list = []
+
+    def pooled(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of the CPU tensor ``t`` in a pooled buffer (remembered for :meth:`take_pooled`); other
+        devices go through :meth:`__call__` (the pinned-memory allocator of CUDA caches its blocks itself)."""
+        t = t.detach()
+        if t.device.type != "cpu":
+            return self(t)
+        out = self.pool.take(t.shape, t.dtype)
+        out.copy_(t)
+        self._taken.append(out)
+        return out
+
+    def take_pooled(self):
+        """``(pool, buffers)`` taken since the last call, for the record that holds them (or None)."""
+        if not self._taken:
+            return None
+        taken, self._taken = self._taken, []
+        return self.pool, taken
 
     def __call__(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         """A host copy of ``t``; ``fresh=True`` says ``t`` is a new tensor nobody else holds (e.g. the result of
@@ -474,7 +539,7 @@ class LowDiffCapture(CaptureBase):
                 vals = g.reshape(-1).index_select(0, idx)
                 grads.append(GradEntry(tuple(p.shape), self._copy(vals, fresh=True), self._copy(idx, fresh=True)))
             else:
-                grads.append(GradEntry(tuple(p.shape), self._copy(g)))
+                grads.append(GradEntry(tuple(p.shape), self._copy.pooled(g)))
         self._consumed = (grads, group_values(optimizer, self._copy.tree))
 
     def _make_record(self, step: int, loop: dict, buffers: dict) -> StepRecord:
@@ -482,7 +547,9 @@ class LowDiffCapture(CaptureBase):
             raise RuntimeError("ray_ckpt: optimizer post-step hook ran without its pre-step hook")
         grads, hparams = self._consumed
         self._consumed = None
-        return StepRecord(step=step, grads=grads, hparams=hparams, loop=loop, buffers=buffers)
+        rec = StepRecord(step=step, grads=grads, hparams=hparams, loop=loop, buffers=buffers)
+        rec.pooled = self._copy.take_pooled()
+        return rec
 
 
 def _persistent_buffers(model: torch.nn.Module):

@@ -100,9 +100,10 @@ def impl_for(strategy: Any) -> StrategyImpl:
 
 def decode_object(impl: StrategyImpl, data, name: str) -> list:
     """The records of a diff object: every segment (see :mod:`ray_ckpt.format.segments`) decoded in order.
+    ``data``: the object's bytes, or its buffers as the object store holds them (decoded without joining).
     Any process that reads objects (restore, replica, CLI)."""
     out: list = []
-    for seg in segments.split(data, name):
+    for seg in (segments.split_parts(data, name) if isinstance(data, (list, tuple)) else segments.split(data, name)):
         out.extend(impl.decode_diffs(seg, name))
     return out
 

@@ -224,6 +224,8 @@ class AsyncWriter(BoundedSink):
         first = info.pop("first_step", recs[0].step)
         name = diff_name(self.generation, first, recs[-1].step)
         self._commit("diff", name, first, recs[-1].step, bufs, info)
+        del bufs
+        rec_fmt.recycle(recs)
         self.stats.steps_committed += len(recs)
         self._release(sum(s for _, s in batch))
 

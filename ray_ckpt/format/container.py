@@ -145,21 +145,45 @@ def _fail(name: str, reason: str) -> CorruptObjectError:
     return CorruptObjectError(name, reason)
 
 
-def decode(data: bytes | bytearray | memoryview, name: str = "<object>", *,
+def decode(data: bytes | bytearray | memoryview | list, name: str = "<object>", *,
            verify: bool = True) -> tuple[Any, dict[str, np.ndarray], dict[str, TensorEntry]]:
     """Validate and decode an object. Returns ``(meta, arrays, entries)``; arrays are zero-copy numpy views.
 
     ``name`` is used in error messages. Raises :class:`CorruptObjectError` on anything unexpected; never
     executes code from the object and never allocates more than the object's own size.
+
+    ``data`` may also be the list of buffers :func:`encode` returns (an object held in Ray's object store arrives
+    so): each tensor is then a view of the part that holds it, without joining the parts into one copy.
     """
+    if isinstance(data, (list, tuple)):
+        parts = [memoryview(p).cast("B") for p in data]
+        if len(parts) != 1:
+            return _decode_parts(parts, name, verify)
+        data = parts[0] if parts else b""
     buf = memoryview(data).cast("B")
-    total = buf.nbytes
-    if total < _PREFIX.size:
-        raise _fail(name, f"truncated: {total} bytes is shorter than the {_PREFIX.size}-byte prefix")
+    header, data_start, data_len = _header(buf, buf.nbytes, name)
+    data_sec = buf[data_start:data_start + data_len]
+    if verify and zlib.crc32(data_sec) != header.get("data_crc"):
+        raise _fail(name, "data checksum mismatch")
+    entries = _table(header, data_len, name)
+    arrays: dict[str, np.ndarray] = {}
+    for tname, e in entries.items():
+        npdt = _DTYPES[e.dtype][1]
+        count = math.prod(e.shape)
+        arr = np.frombuffer(data_sec, dtype=npdt, count=count, offset=e.offset) if count else np.empty(0, npdt)
+        arrays[tname] = arr.reshape(e.shape)
+    return header.get("meta"), arrays, entries
+
+
+def _header(buf: memoryview, total: int, name: str) -> tuple[dict, int, int]:
+    """``(header, data_start, data_len)`` of an object of ``total`` bytes whose first bytes are ``buf`` (at least
+    the prefix and the header), validated: magic, header checksum, data length against ``total``."""
+    if buf.nbytes < _PREFIX.size:
+        raise _fail(name, f"truncated: {buf.nbytes} bytes is shorter than the {_PREFIX.size}-byte prefix")
     magic, header_len, header_crc = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise _fail(name, "bad magic (not a ray_ckpt object; refusing to interpret it)")
-    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > total:
+    if header_len > MAX_HEADER_BYTES or _PREFIX.size + header_len > min(total, buf.nbytes):
         raise _fail(name, f"header length {header_len} exceeds the object size {total} or the limit")
     hstart = _PREFIX.size
     header_bytes = bytes(buf[hstart:hstart + header_len])
@@ -177,13 +201,14 @@ def decode(data: bytes | bytearray | memoryview, name: str = "<object>", *,
     if not isinstance(data_len, int) or data_len < 0 or data_start + data_len != total:
         raise _fail(name, f"truncated or oversized: data section should be {data_len} bytes, "
                           f"object has {total - data_start}")
-    data_sec = buf[data_start:data_start + data_len]
-    if verify and zlib.crc32(data_sec) != header.get("data_crc"):
-        raise _fail(name, "data checksum mismatch")
+    return header, data_start, data_len
+
+
+def _table(header: dict, data_len: int, name: str) -> dict[str, TensorEntry]:
+    """The header's tensor table, validated against the data section's length."""
     table = header["tensors"]
     if len(table) > MAX_TENSORS:
         raise _fail(name, "too many tensors")
-    arrays: dict[str, np.ndarray] = {}
     entries: dict[str, TensorEntry] = {}
     for e in table:
         try:
@@ -191,7 +216,7 @@ def decode(data: bytes | bytearray | memoryview, name: str = "<object>", *,
             offset, nbytes = e["offset"], e["nbytes"]
         except (KeyError, TypeError):
             raise _fail(name, f"malformed tensor entry {e!r:.200}") from None
-        if not isinstance(tname, str) or tname in arrays:
+        if not isinstance(tname, str) or tname in entries:
             raise _fail(name, f"bad or duplicate tensor name {tname!r:.100}")
         if not isinstance(dname, str) or dname not in _DTYPES:
             raise _fail(name, f"tensor {tname!r}: dtype {dname!r:.50} is not allowed")
@@ -203,9 +228,46 @@ def decode(data: bytes | bytearray | memoryview, name: str = "<object>", *,
         if (not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0 or nbytes < 0
                 or count * npdt.itemsize != nbytes or offset + nbytes > data_len):
             raise _fail(name, f"tensor {tname!r}: size/offset out of bounds")
-        arr = np.frombuffer(data_sec, dtype=npdt, count=count, offset=offset) if count else np.empty(0, npdt)
-        arrays[tname] = arr.reshape(shape)
         entries[tname] = TensorEntry(tname, dname, tuple(shape), offset, nbytes)
+    return entries
+
+
+def _decode_parts(parts: list[memoryview], name: str, verify: bool):
+    """:func:`decode` of an object given as consecutive parts whose first holds exactly the prefix, header and
+    padding (as :func:`encode`'s first buffer does); any other split, or a tensor spanning two parts, is decoded
+    from one joined copy."""
+    total = sum(p.nbytes for p in parts)
+    head = parts[0]
+    try:
+        header, data_start, data_len = _header(head, total, name)
+    except CorruptObjectError:
+        return decode(b"".join(parts), name, verify=verify)   # another framing: the joined copy decides
+    if head.nbytes != data_start:
+        return decode(b"".join(parts), name, verify=verify)
+    if verify:
+        crc = 0
+        for p in parts[1:]:
+            crc = zlib.crc32(p, crc)
+        if crc != header.get("data_crc"):
+            raise _fail(name, "data checksum mismatch")
+    entries = _table(header, data_len, name)
+    bounds, pos = [], 0
+    for p in parts[1:]:
+        bounds.append((pos, p))
+        pos += p.nbytes
+    arrays: dict[str, np.ndarray] = {}
+    for tname, e in entries.items():
+        npdt = _DTYPES[e.dtype][1]
+        count = math.prod(e.shape)
+        if not count:
+            arrays[tname] = np.empty(0, npdt).reshape(e.shape)
+            continue
+        part = next(((off, p) for off, p in bounds if off <= e.offset and e.offset + e.nbytes <= off + p.nbytes),
+                    None)
+        if part is None:   # a tensor spans two parts (not encode()'s layout): one joined copy
+            return decode(b"".join(parts), name, verify=False)
+        off, p = part
+        arrays[tname] = np.frombuffer(p, dtype=npdt, count=count, offset=e.offset - off).reshape(e.shape)
     return header.get("meta"), arrays, entries
 
 

@@ -90,11 +90,26 @@ class StepRecord:
     loop: dict                         #: loop state after the step (groups, scheduler, scaler, rng, extra)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     ready: Any = None                  #: a CUDA event the encoder waits on before reading host copies
+    #: ``(pool, tensors)``: recycled host buffers the grads live in, given back by the sink once nothing reads
+    #: them (:func:`ray_ckpt.engine.capture.recycle`); None for decoded records
+    pooled: Any = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         n = sum(g.nbytes for g in self.grads if g is not None)
         return n + sum(b.numel() * b.element_size() for b in self.buffers.values()) + 4096
+
+
+def recycle(items) -> None:
+    """Give the pooled host buffers of captured records back to their pool (:class:`ray_ckpt.engine.capture.
+    HostPool`): nothing will read them again. A sink's background thread, once a record's bytes are written or
+    held on two nodes; items without pooled buffers are skipped."""
+    for it in items:
+        pooled = getattr(it, "pooled", None)
+        if pooled:
+            pool, tensors = pooled
+            it.pooled = None
+            pool.give(tensors)
 
 
 @dataclass

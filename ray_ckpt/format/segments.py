@@ -119,6 +119,26 @@ def split(data, name: str = "<object>") -> list[memoryview]:
     return out
 
 
+def split_parts(parts: list, name: str = "<object>") -> list:
+    """:func:`split` of an object given as a list of buffers (as Ray's object store returns a held chunk): one
+    container in :func:`ray_ckpt.format.container.encode`'s own split (its first buffer exactly the prefix, header
+    and padding) is returned whole, as ``[parts]``, for a decode without joining; anything else is joined once
+    and split."""
+    views = [memoryview(p).cast("B") for p in parts]
+    if len(views) > 1 and views[0].nbytes >= _PREFIX.size:
+        magic, header_len, _ = _PREFIX.unpack_from(views[0], 0)
+        data_start = _PREFIX.size + header_len
+        data_start += (-data_start) % ALIGN
+        if magic == MAGIC and header_len <= MAX_HEADER_BYTES and views[0].nbytes == data_start:
+            try:
+                data_len = safejson.loads(bytes(views[0][_PREFIX.size:_PREFIX.size + header_len])).get("data_len")
+            except (ValueError, AttributeError):
+                data_len = None
+            if data_len == sum(v.nbytes for v in views[1:]):
+                return [views]   # the header's checksum is checked by the decode
+    return split(b"".join(views) if len(views) != 1 else views[0], name)
+
+
 def object_crc(bufs: list) -> tuple[int, int]:
     """``(crc32, nbytes)`` of one container given as :func:`ray_ckpt.format.container.encode` returns it (the
     first buffer is prefix + header + padding, the rest the data section), without a second pass over the

@@ -164,19 +164,26 @@ class Coordinator:
             except ValueError:
                 pass
 
-    @staticmethod
-    def _alive_nodes() -> set[str]:
-        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    def _alive_nodes(self, max_age: float = 0.0) -> set[str]:
+        """The alive nodes; ``max_age > 0`` accepts an answer that old (the periodic calls — control, metrics —
+        ask ~3 times a second and ``ray.nodes()`` was a sixth of this actor's CPU; plans always ask afresh)."""
+        now = time.monotonic()
+        cached = getattr(self, "_nodes_cache", None)
+        if max_age > 0 and cached is not None and now - cached[0] <= max_age:
+            return cached[1]
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        self._nodes_cache = (now, alive)
+        return alive
 
-    def _lineage(self, durable_only: bool = False) -> Lineage:
-        alive = self._alive_nodes()
+    def _lineage(self, durable_only: bool = False, max_age: float = 0.0) -> Lineage:
+        alive = self._alive_nodes(max_age)
         ms = [e.manifest for e in self.entries.values()
               if e.durable or (not durable_only and any(n in alive for n in e.holders))]
         return Lineage(ms)
 
     # -- reports from workers ----------------------------------------------------------------------------------------
     def update(self, node_id: str, msgs: list) -> None:
-        """A worker's messages, in the order it produced them (one call per ~50 ms per worker)."""
+        """A worker's messages, in the order it produced them (one call per ~100 ms per worker)."""
         for msg in msgs:
             kind = msg[0]
             if kind == "held":
@@ -200,7 +207,7 @@ class Coordinator:
             return
         self._metrics_t, self._published_changes = now, self._changes
         try:
-            _metrics.coordinator_metrics(self.status(), self._metrics)
+            _metrics.coordinator_metrics(self.status(max_age=1.0), self._metrics)
         except Exception as e:  # noqa: BLE001 - metrics never break the coordinator
             log.debug("ray_ckpt coordinator: metrics not published: %s", e)
 
@@ -280,29 +287,21 @@ class Coordinator:
 
     def _heal(self, lost: str) -> None:
         """Objects received by ``lost`` that are not durable and still held by a live peer: the peer writes
-        them to storage now (the sender resends what no peer held)."""
-        alive = self._alive_nodes()
-        todo: dict[str, list[str]] = {}
-        floors: dict[int, int | None] = {}   # one scan of the entries per generation, not one per entry
-        for name, e in self.entries.items():
-            if e.durable or e.origin != lost:
+        them to storage now (the sender resends what no peer held).
+
+        Asked of every live node's worker (:meth:`PersistenceWorker.persist_origin`), not only of the holders
+        this coordinator knows: a peer reports a replica it holds within ~0.1 s, and ``lost``'s sender may have
+        dropped the chunk as safe (held on two nodes) before that report arrived — so the peer decides from what it
+        holds, never from this possibly older view."""
+        for node in self._alive_nodes():
+            if node == lost:
                 continue
-            gen = e.manifest.generation
-            if gen not in floors:
-                floors[gen] = self._durable_floor(gen)
-            floor = floors[gen]
-            if floor is not None and e.manifest.last_step <= floor:
-                continue   # covered by a durable full (durable_diffs="fulls")
-            live = sorted(n for n in e.holders if n in alive and n != lost)
-            if live:
-                todo.setdefault(live[0], []).append(name)
-        for node, names in todo.items():
             try:
-                ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).persist.remote(names)
-                log.info("ray_ckpt coordinator: node %s persists %d objects of lost node %s", node[:8], len(names),
-                         lost[:8])
+                worker = ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE)
             except ValueError:
-                pass
+                continue
+            worker.persist_origin.remote(lost)
+            log.info("ray_ckpt coordinator: node %s persists what it holds of lost node %s", node[:8], lost[:8])
 
     def _forget_dead_nodes(self) -> None:
         alive = self._alive_nodes()
@@ -364,11 +363,11 @@ class Coordinator:
         if st.get("generation") is not None and st.get("step") is not None:
             self.replica = _Replica(st["generation"], st["step"], st["node"], st["ok"], st.get("reason", ""))
 
-    def _replica_usable(self, gen: int) -> bool:
+    def _replica_usable(self, gen: int, max_age: float = 0.0) -> bool:
         r = self.replica
-        if r is None or not r.ok or r.generation != gen or r.node not in self._alive_nodes():
+        if r is None or not r.ok or r.generation != gen or r.node not in self._alive_nodes(max_age):
             return False
-        head = self._lineage().head()
+        head = self._lineage(max_age=max_age).head()
         return head is None or head - r.step <= self.max_replica_lag
 
     def control(self, generation: int) -> dict:
@@ -379,7 +378,7 @@ class Coordinator:
         gaps = [g for g in self.gaps if g["generation"] == generation and not g.get("told")]
         for g in gaps:
             g["told"] = True
-        return {"want_full": want, "delegate": self._replica_usable(generation),
+        return {"want_full": want, "delegate": self._replica_usable(generation, max_age=1.0),
                 "gaps": [(g["first"], g["last"]) for g in gaps]}
 
     def request_full(self, generation: int, reason: str) -> None:
@@ -446,30 +445,34 @@ class Coordinator:
         """The recovery plan for ``step`` (None = latest recoverable): the manifests to read, in order, and for
         each the object references of live holders (memory tier; empty = read from durable storage).
 
-        Objects held in memory are preferred (a chain of memory objects when one reaches the step). When the
+        The chain starts from the newest full that reaches the step; a chain held wholly in memory is preferred
+        among equally short ones, and every held object is read from memory. When the
         state-tier replica is usable and its state lies in the plan's chain (at or after the full, at or before
         the step: the latest, or a step named explicitly, e.g. the one the ranks of a group agreed on),
         ``replica`` names the step whose state the replica can hand over: the restore then reads only the
         records after it (the client checks again that the snapshot it gets lies in that range)."""
         self._forget_dead_nodes()
         alive = self._alive_nodes()
-        p = None
         memory = Lineage([e.manifest for e in self.entries.values() if any(n in alive for n in e.holders)])
         try:
-            p = memory.resolve(step)
-            if step is None and p.step != self._lineage().head():
-                p = None   # the memory tier alone does not reach the latest step
+            mem_plan = memory.resolve(step)
         except NoCheckpointError:
-            p = None
-        if p is None:
+            mem_plan = None
+        try:
+            p = self._lineage().resolve(step)
+        except NoCheckpointError:
+            self._refresh_durable()
             try:
                 p = self._lineage().resolve(step)
-            except NoCheckpointError:
-                self._refresh_durable()
-                try:
-                    p = self._lineage().resolve(step)
-                except NoCheckpointError as err:
-                    return {"error": str(err)}
+            except NoCheckpointError as err:
+                return {"error": str(err)}
+        # a chain held wholly in memory is preferred when it starts from a full as new as the best chain's (no more
+        # records to replay); a newer full that is only durable (the replica writes its fulls straight to storage)
+        # wins over a longer memory chain: one read of a full costs less than replaying the steps between them.
+        # Objects of the chosen plan that are held are read from memory either way.
+        if (mem_plan is not None and mem_plan.step == p.step and mem_plan.generation == p.generation
+                and mem_plan.full.last_step >= p.full.last_step):
+            p = mem_plan
         sources = []
         for m in p.objects:
             e = self.entries[m.name]
@@ -483,11 +486,12 @@ class Coordinator:
             out["replica"] = {"step": r.step, "node": r.node}
         return out
 
-    def status(self) -> dict:
+    def status(self, max_age: float = 0.0) -> dict:
+        """The lineage's figures (``max_age``: how old the view of alive nodes may be, see ``_alive_nodes``)."""
         heads = {}
         for key, durable_only in (("recoverable_step", False), ("durable_step", True)):
-            heads[key] = self._lineage(durable_only).head()
-        alive = self._alive_nodes()
+            heads[key] = self._lineage(durable_only, max_age).head()
+        alive = self._alive_nodes(max_age)
         r = self.replica
         return {**heads, "objects": len(self.entries), "gaps": list(self.gaps),
                 "replica": None if r is None else {"generation": r.generation, "step": r.step, "node": r.node,
@@ -497,14 +501,14 @@ class Coordinator:
                 "replicated_objects": sum(1 for e in self.entries.values()
                                           if sum(n in alive for n in e.holders) >= 2),
                 "generation": self._last_generation, "failures": len(self.failures),
-                "restorable": self.restorable(), "started_at": self.started_at, "lease_lost": self.lease_lost}
+                "restorable": self.restorable(max_age), "started_at": self.started_at, "lease_lost": self.lease_lost}
 
-    def restorable(self) -> dict:
+    def restorable(self, max_age: float = 0.0) -> dict:
         """Which steps of the current generation restore from which tier: ``{"durable": ranges (storage alone),
         "memory": ranges (only while the memory tier holds them)}``, ranges as ``[[first, last], ...]``."""
         gen = self._last_generation
         durable = set(self._lineage(durable_only=True).reachable_steps(gen))
-        anywhere = set(self._lineage().reachable_steps(gen))
+        anywhere = set(self._lineage(max_age=max_age).reachable_steps(gen))
         return {"generation": gen, "durable": [list(r) for r in _runs(sorted(durable))],
                 "memory": [list(r) for r in _runs(sorted(anywhere - durable))]}
 

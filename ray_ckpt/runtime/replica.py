@@ -33,7 +33,7 @@ from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
 from ray_ckpt.lineage import Manifest, full_name, object_key
 from ray_ckpt.runtime import naming
-from ray_ckpt.runtime.worker import join
+from ray_ckpt.runtime.worker import as_buffers, join
 
 log = logging.getLogger("ray_ckpt")
 
@@ -191,7 +191,7 @@ class ReplicaActor:
         self._progress()
 
     def _apply(self, m: Manifest, ref) -> None:
-        records = decode_object(impl_by_name(m.strategy), join(ray.get(ref)), m.object)
+        records = decode_object(impl_by_name(m.strategy), as_buffers(ray.get(ref)), m.object)
         t0 = time.perf_counter()
         with self._cv:
             shadow = self.shadow

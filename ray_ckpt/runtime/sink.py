@@ -52,11 +52,41 @@ _POLL_S = 0.25          # how often an idle sender asks the worker which chunks 
 _CONTROL_S = 0.5        # how often the sender asks the coordinator for full-checkpoint control
 
 
+#: encoded buffers smaller than this are laid end to end into one array before the hand-off: Ray pickles each
+#: array of an argument separately (a top-k chunk of 10 steps is ~250 small buffers: most of the worker's CPU went
+#: to that), while joining them costs one small copy; larger buffers are handed over as they are (zero-copy)
+_SMALL_BUFFER = 64 << 10
+
+
+def _coalesce(bufs: list) -> list:
+    """The hand-off arrays of one encoded container: its first buffer (prefix and header, kept apart so that the
+    decoder can read the tensors from the parts), then the data buffers with each run of small ones joined."""
+    out = [np.frombuffer(memoryview(bufs[0]).cast("B"), dtype=np.uint8)]
+    run: list = []
+
+    def close_run():
+        if run:
+            out.append(np.frombuffer(b"".join(run), dtype=np.uint8) if len(run) > 1
+                       else np.frombuffer(run[0], dtype=np.uint8))
+            run.clear()
+
+    for b in bufs[1:]:
+        mv = memoryview(b).cast("B")
+        if mv.nbytes < _SMALL_BUFFER:
+            run.append(mv)
+        else:
+            close_run()
+            out.append(np.frombuffer(mv, dtype=np.uint8))
+    close_run()
+    return out
+
+
 @dataclass
 class _Chunk:
     manifest: Manifest
     arrays: list
     size: int           # bytes of captured state it keeps alive (counted in the sink's budget)
+    records: list       # the captured records whose buffers ``arrays`` views: recycled once the chunk is safe
 
 
 class RaySink(BoundedSink):
@@ -86,6 +116,7 @@ class RaySink(BoundedSink):
         self.actor_calls = 0          # calls to the persistence worker (submit, poll, flush)
         self.chunks_sent = 0
         self.resent_chunks = 0
+        self.restarts_seen = 0        # restarts of this node's worker seen (a new incarnation answered)
         self.handoff_seconds = 0.0    # sender thread: encode + hand-off
         self.sender_cpu_seconds = 0.0
         self.capture = None           #: the training loop's capture (set by the Checkpointer): step times
@@ -241,8 +272,8 @@ class RaySink(BoundedSink):
         m = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
                      object=object_key(name), nbytes=n, crc32=crc, strategy=self.impl.name,
                      info={**self.info, **info})
-        arrays = [np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8) for b in bufs]
-        c = _Chunk(m, arrays, sum(s for _, s in items))
+        arrays = _coalesce(bufs)
+        c = _Chunk(m, arrays, sum(s for _, s in items), [] if full else [r for r, _ in items])
         self._unsafe[m.name] = c
         self._send(c)
         self.chunks_sent += 1
@@ -282,13 +313,18 @@ class RaySink(BoundedSink):
         for name in reply["safe"]:
             c = self._unsafe.pop(name, None)
             if c is not None:
+                c.arrays = []
+                rec_fmt.recycle(c.records)
                 self._release(c.size)
         if self._incarnation is not None and reply["incarnation"] != self._incarnation:
             self._incarnation = reply["incarnation"]
             todo = list(self._unsafe.values())
+            self.restarts_seen += 1
             log.warning("ray_ckpt: the persistence worker on this node restarted; resending %d chunks it had not "
                         "secured", len(todo))
             for c in todo:
+                if self._unsafe.get(c.manifest.name) is not c:
+                    continue   # became safe meanwhile (an answer to an earlier resend): its buffers are recycled
                 self.resent_chunks += 1
                 self._send(c)
         self._incarnation = reply["incarnation"]
@@ -336,5 +372,29 @@ class RaySink(BoundedSink):
             self._call(lambda w: w.flush.remote(), "flush")
             self._on_reply(self._call(lambda w: w.poll.remote(self.generation), "poll"))
             if not self._unsafe:
+                break
+        else:
+            raise WriterError(f"{len(self._unsafe)} chunks could not be made durable")
+        if self.restarts_seen:
+            self._wait_peers_durable()
+
+    def _wait_peers_durable(self) -> None:
+        """After a restart of this node's worker: chunks its old incarnation had secured on a peer (and so were
+        not resent) are written by that peer (the coordinator asks it); wait until the coordinator's durable
+        lineage reaches the last step handed over, so that ``flush`` keeps its promise."""
+        last = self.stats.last_committed_step
+        if last is None:
+            return
+        deadline = time.monotonic() + self.write_timeout
+        while True:
+            try:
+                durable = ray.get(self._coordinator.status.remote(), timeout=30).get("durable_step")
+            except Exception as e:  # noqa: BLE001 - the coordinator restarts: ask again
+                log.debug("ray_ckpt: coordinator status unavailable: %s", e)
+                durable = None
+            if durable is not None and durable >= last:
                 return
-        raise WriterError(f"{len(self._unsafe)} chunks could not be made durable")
+            if time.monotonic() > deadline:
+                raise WriterError(f"steps up to {last} were not durable within {self.write_timeout} s after the "
+                                  f"persistence worker restarted (durable up to {durable})")
+            time.sleep(0.1)

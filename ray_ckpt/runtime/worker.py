@@ -18,7 +18,7 @@ safe and sends the unsafe ones again to a restarted worker (a new incarnation ho
 restart never opens a hole in the lineage.
 
 Messages to the coordinator (held, durable, released) go through one queue and one thread, in order, batched:
-one actor call per ~50 ms, not one per step.
+one actor call per ~100 ms, not one per step.
 
 With ``durable_diffs="fulls"`` (in the chunk's manifest info) a diff chunk is *lazy*: it is written only on
 flush, under memory pressure, or when it is not held on a second node (no peer acknowledged it within
@@ -53,7 +53,9 @@ from ray_ckpt.storage.retry import RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
 
-_REPORT_INTERVAL_S = 0.05
+#: messages to the coordinator are sent at most this often (one call each time), so that the coordinator's view
+#: lags the workers by at most a tenth of a second
+_REPORT_INTERVAL_S = 0.1
 _RETRY_AFTER_FAILURE_S = 10.0   # a job whose write failed beyond its retry budget is tried again this much later
 #: durable_diffs="fulls": how long a diff chunk may wait for the peer's acknowledgement before it is written
 LAZY_GRACE_S = 10.0
@@ -84,6 +86,29 @@ def join(value):
     return np.concatenate([np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in parts])
 
 
+#: the share of its node's object store a worker may fill with held chunks (the rest: chunks in flight, replicas
+#: arriving, other users of the object store); beyond it Ray would spill held chunks to disk
+OBJECT_STORE_SHARE = 0.6
+
+
+def _fit_object_store(budget: int, node_id: str) -> int:
+    """``budget``, capped to :data:`OBJECT_STORE_SHARE` of this node's object store (with a warning): a budget the
+    object store cannot hold makes Ray spill held chunks to disk and back, which costs more CPU than the
+    checkpointing itself."""
+    try:
+        capacity = next(n["Resources"].get("object_store_memory", 0) for n in ray.nodes()
+                        if n.get("NodeID") == node_id)
+    except StopIteration:
+        return budget
+    cap = int(capacity * OBJECT_STORE_SHARE)
+    if capacity and budget > cap:
+        log.warning("ray_ckpt: memory_budget %.0f MiB exceeds %d%% of this node's object store (%.0f MiB); holding "
+                    "at most %.0f MiB on node %s (raise object_store_memory or lower memory_budget)",
+                    budget / 2**20, OBJECT_STORE_SHARE * 100, capacity / 2**20, cap / 2**20, node_id[:12])
+        return cap
+    return budget
+
+
 class PersistenceWorker:
     def __init__(self, run: str, storage, memory_budget: int, durable_delay: float = 2.0,
                  write_timeout: float = 300.0):
@@ -92,7 +117,7 @@ class PersistenceWorker:
         self._retry_at = 0.0   # after a write failed beyond its retry budget: when to try that job again
         self.storage = storage  # a picklable StorageBackend
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.memory_budget = memory_budget
+        self.memory_budget = _fit_object_store(memory_budget, self.node_id)
         self.durable_delay = durable_delay
         self.incarnation = uuid.uuid4().hex
         self._cv = threading.Condition()
@@ -195,7 +220,7 @@ class PersistenceWorker:
         nbytes = sum(memoryview(b).nbytes for b in bufs)
         if nbytes != m.nbytes:
             raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
-        ref = ray.put(bufs)  # this actor owns the copy
+        ref = ray.put(bufs)  # this actor owns the copy (ray.put's _owner is gone since Ray 2.56)
         self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)
         self._report(("held", m.to_json(), ref, self.node_id))
         peer, peer_node = self._peer() if replicate else (None, "")
@@ -257,6 +282,17 @@ class PersistenceWorker:
                 continue
             self._commit(h.manifest, as_buffers(ray.get(h.ref)), [name])
             done.append(name)
+        return done
+
+    def persist_origin(self, origin: str) -> list[str]:
+        """``origin``'s worker restarted or its node is gone: write every replica of its chunks held here that is
+        not durable yet (the coordinator asks every live worker: it may not know of replicas just taken)."""
+        with self._cv:
+            names = [n for n, h in self._held.items() if h.replica and h.origin == origin and not h.durable]
+        done = self.persist(names)
+        if done:
+            log.info("ray_ckpt: node %s wrote %d chunks of restarted/lost node %s", self.node_id[:8], len(done),
+                     origin[:8])
         return done
 
     def flush(self, timeout: float = 300.0) -> dict:
