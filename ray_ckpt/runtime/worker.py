@@ -347,7 +347,8 @@ class PersistenceWorker:
 
     def stats(self) -> dict:
         with self._cv:
-            return {"node_id": self.node_id, "incarnation": self.incarnation, "held_objects": len(self._held),
+            return {"node_id": self.node_id, "incarnation": self.incarnation, "memory_budget": self.memory_budget,
+                    "held_objects": len(self._held),
                     "held_bytes": self._held_bytes, "queued_chunks": sum(len(p) for p in self._pending.values()),
                     "error": self._error, **self._stats}
 
