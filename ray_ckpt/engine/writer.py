@@ -46,7 +46,8 @@ class WriterStats:
     full_bytes: int = 0
     steps_committed: int = 0
     last_committed_step: int | None = None
-    stall_seconds: float = 0.0          #: time the training thread waited for memory (backpressure)
+    stall_seconds: float = 0.0          #: time the training thread waited (backpressure: memory, queue length)
+    queue_stalls: int = 0               #: steps whose hand-off waited for a background thread that fell behind
     objects_deleted: int = 0            #: garbage-collected by ``keep_fulls`` (runtime="local")
     write_seconds: float = 0.0
     encode_seconds: float = 0.0
@@ -69,8 +70,11 @@ class BoundedSink:
     are raised on the training thread at its next call.
     """
 
-    def __init__(self, max_pending_bytes: int, thread_name: str):
+    def __init__(self, max_pending_bytes: int, thread_name: str, max_queued: int | None = None):
         self.max_pending_bytes = max_pending_bytes
+        #: at most this many items wait in the queue for the background thread (None: bytes alone bound it); a
+        #: thread that falls behind then slows the training thread instead of letting unsent steps pile up
+        self.max_queued = max_queued
         self.stats = WriterStats()
         self._cv = threading.Condition()
         self._queue: collections.deque = collections.deque()
@@ -98,6 +102,13 @@ class BoundedSink:
                     self._cv.wait(0.5)
                 self._pressure = False
                 self.stats.stall_seconds += time.perf_counter() - t0
+                self._raise_if_failed()
+            if self.max_queued is not None and len(self._queue) >= self.max_queued:
+                t0 = time.perf_counter()
+                while len(self._queue) >= self.max_queued and self._error is None:
+                    self._cv.wait(0.5)
+                self.stats.stall_seconds += time.perf_counter() - t0
+                self.stats.queue_stalls += 1
                 self._raise_if_failed()
             self._pending_bytes += size
             self._queue.append((item, size, close_batch))

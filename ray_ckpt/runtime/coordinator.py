@@ -183,7 +183,7 @@ class Coordinator:
 
     # -- reports from workers ----------------------------------------------------------------------------------------
     def update(self, node_id: str, msgs: list) -> None:
-        """A worker's messages, in the order it produced them (one call per ~100 ms per worker)."""
+        """A worker's messages, in the order it produced them (one call per ~50 ms per worker)."""
         for msg in msgs:
             kind = msg[0]
             if kind == "held":
@@ -290,7 +290,7 @@ class Coordinator:
         them to storage now (the sender resends what no peer held).
 
         Asked of every live node's worker (:meth:`PersistenceWorker.persist_origin`), not only of the holders
-        this coordinator knows: a peer reports a replica it holds within ~0.1 s, and ``lost``'s sender may have
+        this coordinator knows: a peer reports a replica it holds within ~50 ms, and ``lost``'s sender may have
         dropped the chunk as safe (held on two nodes) before that report arrived — so the peer decides from what it
         holds, never from this possibly older view."""
         for node in self._alive_nodes():

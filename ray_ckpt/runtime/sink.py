@@ -19,8 +19,9 @@ second, not 100.
 Healing: the sender keeps every chunk (it references the captured tensors; no copy) until the worker reports
 it *safe* — held on two nodes or durable. The worker's answers carry its incarnation; when it changes (the
 actor restarted and lost what it held), every unsafe chunk is sent again, in order, so a worker restart never
-opens a hole in the lineage. A crash of this process loses the records not yet handed over: at most the last
-chunk (``batch_steps`` steps or ``handoff_delay`` seconds of training).
+opens a hole in the lineage. A crash of this process loses the records not yet handed over: the chunk being
+collected (``batch_steps`` steps or ``handoff_delay`` seconds of training) and at most ``batch_steps`` queued
+records — when the sender falls behind, ``submit`` waits for room in the queue (``stats()["queue_stalls"]``).
 
 A step is *recoverable* as soon as the worker acknowledged its chunk (held in the node's object store);
 ``last_committed_step`` counts those. Durability follows asynchronously in the worker.
@@ -92,7 +93,11 @@ class _Chunk:
 class RaySink(BoundedSink):
     def __init__(self, run: str, storage, impl, generation: int, *, config, info: dict | None = None,
                  replica: bool = False, submit_retries: int = 20):
-        super().__init__(config.max_pending_bytes, f"ray_ckpt-sender-g{generation}")
+        # at most batch_steps records wait for the sender (plus the chunk it is collecting): a sender that falls
+        # behind the training thread (interpreter lock, busy cores) slows it instead of piling up steps a crash
+        # of this process would lose
+        super().__init__(config.max_pending_bytes, f"ray_ckpt-sender-g{generation}",
+                         max_queued=max(2, config.batch_steps))
         self.run, self.storage, self.impl, self.generation = run, storage, impl, generation
         self.batch_steps = config.batch_steps
         self.handoff_delay = config.handoff_delay
@@ -197,6 +202,8 @@ class RaySink(BoundedSink):
                     return
                 if self._queue:
                     entry = self._queue.popleft()
+                    if self.max_queued is not None:
+                        self._cv.notify_all()   # a training thread may wait for room in the queue
             try:
                 if entry is not None:
                     item, size, close_batch = entry
@@ -328,6 +335,9 @@ class RaySink(BoundedSink):
                 self.resent_chunks += 1
                 self._send(c)
         self._incarnation = reply["incarnation"]
+        if reply.get("error"):   # a write failed beyond its retry budget, or for good: the training thread hears
+            raise WriterError(f"the persistence worker on node {reply['node'][:12]} cannot write to storage "
+                              f"{self.storage.uri}: {reply['error']}")
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
