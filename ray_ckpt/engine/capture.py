@@ -145,8 +145,8 @@ class HostPool:
     (glibc hands large blocks back to the kernel when they are freed): measured 0.75 ms per step for the 2.7 MB of
     the Fashion-MNIST MLP against 0.16 ms for a copy into a buffer already in memory, and several times more on a
     loaded 2-core machine. The capture takes a buffer with :meth:`take`; the record carries the buffers it took,
-    and its sink gives them back with :func:`ray_ckpt.format.records.recycle` once nothing reads them any more (written, or held on two
-    nodes). A record that is never recycled (an error, a closed sink) is simply garbage-collected.
+    and its sink gives them back with :func:`ray_ckpt.format.records.recycle` once nothing reads them any more
+    (written, or held on two nodes). A record never recycled (an error, a closed sink) is garbage-collected.
 
     Thread-safe: taken on the training thread, given back on a background thread. At most ``max_bytes`` of free
     buffers are kept (the Checkpointer sets it to its ``max_pending_bytes``: the buffers in flight are bounded by

@@ -91,7 +91,7 @@ class StepRecord:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     ready: Any = None                  #: a CUDA event the encoder waits on before reading host copies
     #: ``(pool, tensors)``: recycled host buffers the grads live in, given back by the sink once nothing reads
-    #: them (:func:`ray_ckpt.engine.capture.recycle`); None for decoded records
+    #: them (:func:`recycle`); None for decoded records
     pooled: Any = field(default=None, repr=False, compare=False)
 
     @property

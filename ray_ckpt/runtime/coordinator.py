@@ -78,6 +78,7 @@ class Coordinator:
         self._holes: dict[tuple[int, int], float] = {}   # (gen, step) -> first seen uncovered
         self._want_full: set[int] = set()                # generations whose trainer must take a full now
         self._last_gap_check = 0.0
+        self._nodes_cache: tuple[float, set[str]] | None = None   # (when, alive node ids), see _alive_nodes
         self.keep_fulls = keep_fulls  # > 0: garbage-collect chains older than that many durable fulls
         self.storage = storage
         self.policy = FixedFrequencyPolicy(full_every, batch_steps)
@@ -168,7 +169,7 @@ class Coordinator:
         """The alive nodes; ``max_age > 0`` accepts an answer that old (the periodic calls — control, metrics —
         ask ~3 times a second and ``ray.nodes()`` was a sixth of this actor's CPU; plans always ask afresh)."""
         now = time.monotonic()
-        cached = getattr(self, "_nodes_cache", None)
+        cached = self._nodes_cache
         if max_age > 0 and cached is not None and now - cached[0] <= max_age:
             return cached[1]
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
