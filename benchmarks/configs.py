@@ -55,6 +55,10 @@ CONFIGS: list[Config] = [
                 "the steady-state cost of a diff step; with lowdiff_topk it separates the cost of a full"),
     Config("lowdiff_topk_ray", "LowDiff top-k (ray)", "topk", "topk_none", "lowdiff_ray", ray=True,
            note="ray_ckpt.Checkpointer(runtime='ray'): memory tier in a PersistenceWorker actor"),
+    Config("lowdiff_topk_ray_trainer_fulls", "LowDiff top-k (ray, trainer fulls)", "topk", "topk_none",
+           "lowdiff_ray_trainer_fulls", ray=True, fail_test=False,
+           note="as lowdiff_topk_ray with replica=False: the training process snapshots and hands over every full "
+                "itself (the state tier's replica fulls switched off): the reference point for fulls from the replica"),
     Config("lowdiff_dense", "LowDiff dense (local)", "none", "none", "lowdiff",
            note="ray_ckpt.Checkpointer(runtime='local'), LowDiff without compression: dense gradients"),
     Config("lowdiff_dense_ray", "LowDiff dense (ray)", "none", "none", "lowdiff_ray", ray=True,

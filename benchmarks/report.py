@@ -168,6 +168,15 @@ def summarize_config(segs: list[dict], cfg=None, settings: dict | None = None) -
         if lags:
             out["uncommitted_lag_median"] = _median(lags)
             out["uncommitted_lag_max"] = max(lags)
+    lags = [x for r in r0 for x in r.get("replica_lag", [])]
+    if lags:
+        lags.sort()
+        out["replica_lag_p50"] = lags[len(lags) // 2]
+        out["replica_lag_p99"] = lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+    roles = [(r.get("aux_cpu_roles_s") or {}, len(r["step_s"])) for r in r0 if r.get("aux_cpu_roles_s")]
+    if roles:
+        out["actor_cpu_per_step_ms"] = {k: _median([d[k] / n * 1e3 for d, n in roles if k in d and n])
+                                        for k in sorted({k for d, _ in roles for k in d})}
     rec: dict[str, list] = {}
     for r in r0:
         for k, v in (r.get("recovery") or {}).items():
@@ -305,6 +314,14 @@ def targets(summ: dict) -> dict:
             sp = d["seconds"] / m["seconds"]
             t[f"memory_vs_durable_{point}"] = {"speedup": sp, "memory_s": m["seconds"], "durable_s": d["seconds"],
                                                "verdict": "met" if sp >= 3 else "missed"}
+    # issue #10: the latest step from the replica >= 10x faster than the durable chain, within 3x of one copy
+    m, d, cp = rec.get("memory_latest"), rec.get("durable_latest"), rec.get("copy_state")
+    if m and d and cp and m["seconds"]:
+        t["replica_latest_vs_durable_chain"] = {"speedup": d["seconds"] / m["seconds"], "replica_s": m["seconds"],
+                                                "durable_s": d["seconds"],
+                                                "verdict": "met" if d["seconds"] / m["seconds"] >= 10 else "missed"}
+        t["replica_latest_vs_one_copy"] = {"ratio": m["seconds"] / cp["seconds"], "copy_s": cp["seconds"],
+                                           "verdict": "met" if m["seconds"] / cp["seconds"] <= 3 else "missed"}
     lost = (lr or {}).get("steps_lost")
     if lost:
         t["lowdiff_ray_steps_lost_le_1"] = {"lost": lost, "verdict": "met" if max(lost) <= 1 else "missed"}
@@ -386,6 +403,12 @@ def markdown(result: dict, all_configs) -> str:
                                 f"encode {s['per_step_ms']['encode_seconds']:.2f} ms + write "
                                 f"{s['per_step_ms']['write_seconds']:.2f} ms (background), stall "
                                 f"{s['per_step_ms']['stall_seconds']:.2f} ms" if s.get("per_step_ms") else ""))
+            if "replica_lag_p50" in s or "actor_cpu_per_step_ms" in s:
+                cpu = s.get("actor_cpu_per_step_ms") or {}
+                extra.append(f"- {labels.get(name, name)}: state-tier replica lag (steps behind the trainer, sampled "
+                             f"4x a second) p50 {s.get('replica_lag_p50', '–')} / p99 {s.get('replica_lag_p99', '–')}; "
+                             "CPU per training step of the ray_ckpt actors: "
+                             + (", ".join(f"{k} {v:.1f} ms" for k, v in cpu.items()) or "–"))
             if "uncommitted_lag_median" in s:
                 extra.append(f"- {labels.get(name, name)}: steps since the newest checkpoint handed to the Ray Train "
                              f"controller, at each step end: median {s['uncommitted_lag_median']}, max "

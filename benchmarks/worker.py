@@ -152,6 +152,10 @@ class Saver:
         """CPU seconds used so far by helper processes this saver relies on (Ray actors); 0 if none."""
         return 0.0
 
+    def aux_cpu_roles(self) -> dict:
+        """CPU seconds used so far per helper role (e.g. ``{"replica": s}``); empty if none."""
+        return {}
+
     @classmethod
     def recover_latest(cls, ctx: Ctx) -> int:
         raise NotImplementedError
@@ -452,31 +456,82 @@ class LowDiffRaySaver(LowDiffSaver):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.actor_pids: list[int] = []
+        self.actor_pids: dict[str, int] = {}
+        self.replica_lag: list[int] = []
+        self._sampling = False
         if ctx.rank == 0:
             import ray
             from ray_ckpt.runtime import naming
             node = ray.get_runtime_context().get_node_id()
-            for name in (naming.worker_name(ctx.seg["run"], node), naming.coordinator_name(ctx.seg["run"]),
-                         naming.replica_name(ctx.seg["run"])):
+            for role, name in (("worker", naming.worker_name(ctx.seg["run"], node)),
+                               ("coordinator", naming.coordinator_name(ctx.seg["run"])),
+                               ("replica", naming.replica_name(ctx.seg["run"]))):
                 try:
                     h = ray.get_actor(name, namespace=naming.NAMESPACE)
-                    self.actor_pids.append(ray.get(h.__ray_call__.remote(lambda self: os.getpid()), timeout=30))
+                    self.actor_pids[role] = ray.get(h.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
                 except Exception:  # noqa: BLE001 - accounting only
                     pass
+            if "replica" in self.actor_pids:   # the replica's lag behind the trainer, sampled 4 times a second
+                import threading
+                self._sampling = True
+                self._coord = ray.get_actor(naming.coordinator_name(ctx.seg["run"]), namespace=naming.NAMESPACE)
+                self._sampler = threading.Thread(target=self._sample_lag, daemon=True)
+                self._sampler.start()
 
-    def aux_cpu_seconds(self) -> float:
-        total = 0.0
-        for pid in self.actor_pids:
+    def _sample_lag(self):
+        import ray
+        while self._sampling:
             try:
-                total += proc_cpu_seconds(pid)
+                rep = ray.get(self._coord.status.remote(), timeout=10).get("replica")
+                if rep and rep.get("ok") and self.ck is not None:
+                    self.replica_lag.append(max(0, self.ck.step - rep["step"]))
+            except Exception:  # noqa: BLE001 - accounting only
+                pass
+            time.sleep(0.25)
+
+    def finish(self):
+        self._sampling = False
+        out = super().finish()
+        if self.replica_lag:
+            out["replica_lag"] = self.replica_lag
+        return out
+
+    def aux_cpu_roles(self) -> dict:
+        out = {}
+        for role, pid in self.actor_pids.items():
+            try:
+                out[role] = proc_cpu_seconds(pid)
             except OSError:
                 pass
-        return total
+        return out
+
+    def aux_cpu_seconds(self) -> float:
+        return sum(self.aux_cpu_roles().values())
+
+    def recovery(self, ctx):
+        out = super().recovery(ctx)
+        # the physical limit of a restore: copying the state's bytes once (every tensor of the model and
+        # optimizer state cloned), measured in the same process right after the restores
+        m, o, s = ctx.fresh()
+        self._restore(ctx, None, "local", m, o, s)
+        tensors = [t for t in m.state_dict().values() if torch.is_tensor(t)]
+        tensors += [t for st in o.state_dict()["state"].values() for t in st.values() if torch.is_tensor(t)]
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            copies = [t.clone() for t in tensors]
+            samples.append(time.perf_counter() - t0)
+            del copies
+        out["copy_state"] = {"samples": samples, "step": None, "seconds": sorted(samples)[len(samples) // 2]}
+        return out
 
 
 class LowDiffRayFullsSaver(LowDiffRaySaver):
     extra_kwargs = {"durable_diffs": "fulls"}
+
+
+class LowDiffRayTrainerFullsSaver(LowDiffRaySaver):
+    extra_kwargs = {"replica": False}
 
 
 class AmberSaver(LowDiffSaver):
@@ -489,6 +544,7 @@ class AmberSaver(LowDiffSaver):
 SAVERS: dict[str, type[Saver]] = {"none": Saver, "torch_save": TorchSave, "checkfreq": CheckFreq,
                                   "dcp_async": DCPAsync, "lowdiff": LowDiffSaver, "lowdiff_ray": LowDiffRaySaver,
                                   "lowdiff_ray_fulls": LowDiffRayFullsSaver,
+                                  "lowdiff_ray_trainer_fulls": LowDiffRayTrainerFullsSaver,
                                   "amber": AmberSaver}
 
 
@@ -563,7 +619,7 @@ def _segment(rank: int, seg: dict, out: dict) -> None:
     dist.barrier()
     for step in range(ctx.total_steps):
         if step == seg["warmup"]:  # start of the measured window: CPU of this process and of helper actors
-            cpu0, aux0 = time.process_time(), saver.aux_cpu_seconds()
+            cpu0, aux0, roles0 = time.process_time(), saver.aux_cpu_seconds(), saver.aux_cpu_roles()
         t0, c0 = time.perf_counter(), time.thread_time()
         train_step(ctx, step)
         saver.after_step(step + 1)
@@ -582,6 +638,7 @@ def _segment(rank: int, seg: dict, out: dict) -> None:
     # CPU of the measured window, including the drain: work deferred to background threads/actors counts
     out["cpu_s"] = time.process_time() - cpu0
     out["aux_cpu_s"] = saver.aux_cpu_seconds() - aux0
+    out["aux_cpu_roles_s"] = {k: v - roles0.get(k, 0.0) for k, v in saver.aux_cpu_roles().items()}
     out["thread_cpu_step_s"] = thread_cpu[seg["warmup"]:]
     dist.barrier()
     phase["train"] = sum(times) + out["drain_s"]
