@@ -357,3 +357,27 @@ def test_a_collection_killed_midway_loses_nothing_needed(gpt_run, tmp_path):
     manifests, objects = names()
     assert objects == manifests, objects ^ manifests                 # no orphan left
     assert json.loads(_run("ls", gc_uri, "--json").stdout)["generations"][0]["fulls"] == [10]
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+        return (os.system, ("touch ray_ckpt_pwned",))
+
+
+def test_load_export_runs_no_code_from_a_tampered_torch_export(tmp_path, monkeypatch):
+    """A torch export is read with weights_only=True: a pickled object that would run code is refused."""
+    import json as _json
+    import pickle as _pickle
+
+    import torch as _torch
+
+    from ray_ckpt.engine.export import INFO_FILE
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "evil"
+    out.mkdir()
+    (out / INFO_FILE).write_text(_json.dumps({"format": "torch"}))
+    _torch.save({"step": 1, "model": {}, "loop": _Evil()}, out / "checkpoint.pt")
+    with pytest.raises(_pickle.UnpicklingError):
+        ray_ckpt.load_export(out)
+    assert not (tmp_path / "ray_ckpt_pwned").exists()

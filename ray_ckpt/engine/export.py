@@ -233,8 +233,9 @@ def load_export(path: str | os.PathLike) -> dict:
     holds model and optimizer only). Calling process.
 
     The ``torch`` and ``dcp`` formats hold the loop state (RNG states with numpy arrays, scheduler and user
-    extra state) as pickled Python objects, as ``torch.save`` and DCP do: loading them unpickles, so load only
-    exports you (or your jobs) wrote. Loading ``safetensors`` never executes code."""
+    extra state) in pickle form, as ``torch.save`` and DCP do; they are read with ``torch.load(weights_only=True)``
+    allowing only tensors, containers, numbers and numpy arrays, so no code from the file runs. Loading
+    ``safetensors`` never executes code."""
     path = os.fspath(path)
     try:
         with open(os.path.join(path, INFO_FILE)) as f:
@@ -243,7 +244,7 @@ def load_export(path: str | os.PathLike) -> dict:
         raise ExportError(f"{path} is not a ray_ckpt export (no {INFO_FILE})") from None
     fmt = info.get("format")
     if fmt == "torch":
-        return torch.load(os.path.join(path, "checkpoint.pt"), weights_only=False)
+        return _load_weights_only(os.path.join(path, "checkpoint.pt"))
     if fmt == "safetensors":
         from safetensors import safe_open
         from safetensors.torch import load_file
@@ -268,7 +269,7 @@ def load_export(path: str | os.PathLike) -> dict:
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp_to_torch_save(path, os.path.join(tmp, "x.pt"))
-            sd = torch.load(os.path.join(tmp, "x.pt"), weights_only=False)
+            sd = _load_weights_only(os.path.join(tmp, "x.pt"))
         osd = sd["optimizer"]
         names = [g for grp in osd["param_groups"] for g in grp["params"]]
         index = {n: i for i, n in enumerate(names)}
@@ -278,6 +279,20 @@ def load_export(path: str | os.PathLike) -> dict:
                               "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
                                                for g in osd["param_groups"]]}}
     raise ExportError(f"{path}: unknown export format {fmt!r}")
+
+
+def _load_weights_only(file: str):
+    """``torch.load`` with ``weights_only=True`` (no arbitrary code runs): tensors, containers, numbers and the
+    numpy arrays and dtypes the loop state holds (RNG states), allowed explicitly."""
+    import numpy as np
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:   # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    allowed = [np.ndarray, np.dtype, _reconstruct]
+    allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64", "float32", "uint8", "int32", "bool")]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(file, weights_only=True)
 
 
 def _tie(model: dict, param_names: list[list[str]]) -> None:
