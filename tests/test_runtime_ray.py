@@ -259,3 +259,58 @@ def test_two_runs_on_one_lineage_the_second_is_refused(run_env):
     ck, *_ = _train(uri, other, 2)
     ck.close()
     shutdown_run(other)
+
+
+
+@ray.remote(num_cpus=0)
+class _Sealer:
+    """A process that opens S3 storage with explicit credentials and pickles it (sealing them)."""
+
+    def pickled(self, uri, options):
+        import pickle as _pickle
+
+        import ray_ckpt.runtime  # noqa: F401 - registers the secret channel, as every runtime process does
+        from ray_ckpt.storage import open_storage
+        return _pickle.dumps(open_storage(uri, **options))
+
+
+@pytest.mark.s3
+def test_s3_credentials_reach_the_actors_sealed_never_in_arguments(s3_uri, ray_cluster, monkeypatch, caplog):
+    """With explicit S3 credentials the actors write (their backends were rebuilt from a sealed ObjectRef);
+    a pickled backend holds no secret; the coordinator hands out a URI without credentials; a backend whose
+    sealing process exited falls back, with a WARNING, to the unpickling process's own credentials."""
+    import logging
+    import pickle
+
+    secret = s3_uri.options["secret_key"]
+    run = f"t-{uuid.uuid4().hex[:8]}"
+    try:
+        ck, model, opt, sch = _train(s3_uri.uri, run, 6, storage_options=s3_uri.options, full_every=5,
+                                     batch_steps=2)
+        ck.flush()
+        store = s3_uri.open()
+        blob = pickle.dumps(store)
+        assert secret.encode() not in blob and b"secret_key" not in blob
+        assert pickle.loads(blob).read(store.list("manifests/")[0])  # secrets opened from the object store
+        coord = _coord(run)
+        assert not hasattr(coord, "get_storage")
+        uri = ray.get(coord.storage_uri.remote())
+        assert secret not in uri and "endpoint_override" in uri
+        ck.close()
+        m, o, sc = _fresh()
+        assert ray_ckpt.restore(s3_uri.uri, m, o, scheduler=sc, storage_options=s3_uri.options) == 6
+        T.assert_same(_reference(6), T.snapshot(m, o, sc), "restored from what the actors wrote to S3")
+    finally:
+        shutdown_run(run)
+    # The sealing process exits: its object (the secrets) is gone with it.
+    sealer = _Sealer.remote()
+    blob = ray.get(sealer.pickled.remote(s3_uri.uri, s3_uri.options))
+    assert secret.encode() not in blob
+    ray.kill(sealer, no_restart=True)
+    time.sleep(1.0)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.WARNING, logger="ray_ckpt"):
+        orphan = pickle.loads(blob)
+    assert "sealed by a process that has exited" in caplog.text
+    assert "secret_key" not in orphan.options and orphan.describe() == s3_uri.open().describe()

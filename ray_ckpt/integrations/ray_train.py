@@ -289,7 +289,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     ``extra_state``: an object with ``state_dict``/``load_state_dict`` or a dict of them, e.g.
     ``{"loader": StatefulDataLoader(...), "epoch": counter}`` to resume mid-epoch.
 
-    The storage comes from :class:`RayCkptCallback` (via the run's coordinator) unless ``storage_uri`` is given.
+    The storage comes from :class:`RayCkptCallback` (via the run's coordinator) unless ``storage_uri`` is given;
+    its credentials do not come along (no actor hands them out): each worker resolves its own, from
+    ``storage_options`` or its node's AWS environment, profile or instance role.
     Every rank gets its own RNG and extra state back: ranks > 0 record theirs next to the lineage (see
     :mod:`ray_ckpt.engine.rankloop`). ``compression_state``: the :class:`~ray_ckpt.compression.TopKState` of the
     DDP comm hook; with ``error_feedback=True`` each rank's residuals are checkpointed with its loop state
@@ -474,10 +476,8 @@ def _resolve_storage(run: str, storage_uri, storage_options):
         coord = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
     except ValueError:
         coord = None
-    if coord is not None:
-        storage = ray.get(coord.get_storage.remote())
-        if storage is not None:
-            return storage
+    if coord is not None:  # the callback's storage, as a URI without credentials: this process brings its own
+        return _storage.open_storage(ray.get(coord.storage_uri.remote()), **(storage_options or {}))
     ckpt = ray.train.get_checkpoint()
     ptr = read_pointer(ckpt) if ckpt is not None else None
     if ptr is not None:

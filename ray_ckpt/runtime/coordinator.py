@@ -408,8 +408,10 @@ class Coordinator:
                              f"not {storage.describe()}: use another run name")
         self.storage = storage
 
-    def get_storage(self):
-        return self.storage
+    def storage_uri(self) -> str:
+        """The run's storage as ``describe()``: a URI with its connection options and never its credentials
+        (no actor method hands out a backend: callers open the URI with their own credentials)."""
+        return self.storage.describe()
 
     def get_policy(self) -> FixedFrequencyPolicy:
         """The frequency policy for a (re)attaching Checkpointer: the adaptive choice in force [policy #14]."""

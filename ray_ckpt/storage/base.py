@@ -139,7 +139,8 @@ class StorageBackend(Protocol):
     """Objects (bytes) under relative keys below one root URI. Obtain one with :func:`open_storage`.
 
     Where calls run: any process (driver, training worker, actor, CLI); every method is thread-safe, and a
-    backend is picklable (it is rebuilt from its URI and options on unpickle, e.g. inside a Ray actor).
+    backend is picklable (it is rebuilt from its URI and options on unpickle, e.g. inside a Ray actor; secrets
+    travel only through a secret channel, see :mod:`ray_ckpt.storage.s3`).
     There is no call order: no open/close, every call is independent.
 
     Every ``key`` is checked with :func:`validate_key`. A missing object on ``read``/``size`` raises

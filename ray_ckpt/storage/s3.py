@@ -1,34 +1,38 @@
 """S3 backend on ``pyarrow.fs.S3FileSystem``: ``s3://bucket/prefix``.
 
-Write path: one ``open_output_stream`` per object (with ``allow_delayed_open=True`` by default, an object
-under 10 MiB is a single PUT; larger ones are a multipart upload, completed only by a successful close).
-Both are atomic on S3: readers see no object, the old object, or the whole new one.
-
-Two pyarrow traps this module works around (checked with pyarrow 26):
-
-* ``open_output_stream`` defaults to ``compression="detect"``: a key ending in ``.gz``/``.zst`` would be
-  compressed on write, and ``open_input_file`` does not decompress on read. We always pass ``compression=None``.
-* pyarrow's S3 output stream has no Python ``abort()``, and its C++ destructor *closes* (commits) the upload.
-  A stream dropped after a partial write (exception, KeyboardInterrupt from ``ray.cancel``) would publish a
-  truncated object over the old one. On any failure before a successful close we therefore *abandon* the
-  stream (its destructor never runs, the upload is never completed): the same outcome as a writer killed
-  mid-write. Incomplete multipart uploads left behind are billed until a bucket lifecycle rule
-  (``AbortIncompleteMultipartUpload``) removes them. With ``background_writes=False`` a failed part could be
-  skipped by a later close, so that option is refused.
+Write path: s3fs (``pipe_file``): an object under ``2 * part_size`` (100 MiB) is a single PUT; a larger one is a
+multipart upload that is completed only when every part succeeded and is *aborted* (``AbortMultipartUpload``)
+on any failure. Both are atomic on S3: readers see no object, the old object, or the whole new one. Nothing is
+left behind by a failed write, in storage or in this process (the joined bytes are released when ``write``
+returns or raises). pyarrow's output stream is not used for writes: it has no Python ``abort()`` and its
+destructor *completes* the upload, so a stream dropped after a partial write would publish a truncated object.
+A request that fails transiently (5xx, throttling, connection reset) is retried by botocore's standard retry
+mode (3 quick attempts, like pyarrow's client for reads); longer outages are the callers' retry policy
+(:mod:`ray_ckpt.storage.retry`), under its time budget.
 
 Reads use ``open_input_file`` (a HEAD, then one ranged GET for the whole object): ``open_input_stream``
 is ~100x slower against S3 (many small range requests). The HEAD/GET pair is not atomic against a
 concurrent overwrite (the GET may serve the new version cut to the old size), so ``read`` confirms
 ETag and Last-Modified with a second HEAD: 3 requests per read (see ``S3Backend.read``).
 
-Runs in any process; thread-safe (``S3FileSystem`` is thread-safe; no other shared state). Picklable:
-rebuilt from bucket, prefix and the resolved options (secrets included, so a copy shipped to a Ray actor
-can connect; ``uri`` and ``describe()`` never show them).
+Runs in any process; thread-safe (``S3FileSystem`` and s3fs are thread-safe; no other shared state).
+
+Credentials never travel in a pickle. A pickled backend carries its non-secret options; its secrets
+(:data:`~ray_ckpt.storage.uri.SECRET_OPTIONS` present in the resolved options) are handed to a *secret channel*
+registered by a higher layer (the Ray runtime registers one: the secrets go into the Ray object store, owned by
+the pickling process, and the pickle holds only the unguessable ObjectRef; see
+:mod:`ray_ckpt.runtime.secrets`). Without a channel, pickling a backend that holds secrets raises
+:class:`pickle.PicklingError`. An unpickled backend whose sealed secrets cannot be opened (their owner exited)
+falls back to its own process's AWS environment and default credential chain (profile, instance role), with a
+WARNING. A backend without explicit secrets (default chain) always resolves them in the process that uses it.
+``uri`` and ``describe()`` never show secrets.
 """
 from __future__ import annotations
 
-import ctypes
+import logging
+import pickle
 import random
+import threading
 import time
 from urllib.parse import quote, urlencode
 
@@ -40,17 +44,74 @@ from .base import TMP_PREFIX, Data, ObjectNotFound, StorageError, as_buffers, va
 _DESCRIBED_OPTIONS = ("endpoint_override", "scheme", "region")
 #: Our defaults on top of pyarrow's (an explicit option, query parameter or env setting wins).
 DEFAULT_OPTIONS = {"allow_delayed_open": True}
+#: Options that may hold secrets (kept in sync with ``uri.SECRET_OPTIONS``; not imported to avoid a cycle).
+_SECRET_OPTIONS = frozenset({"access_key", "secret_key", "session_token", "proxy_options", "external_id"})
+#: pyarrow options that only shape pyarrow's own writes or bucket handling: accepted, unused by the s3fs writer.
+_PYARROW_ONLY = frozenset({"allow_delayed_open", "background_writes", "allow_bucket_creation",
+                           "allow_bucket_deletion", "check_directory_existence_before_creation"})
+#: Options the s3fs writer maps; anything else is refused at open (it would silently not apply to writes).
+_WRITER_OPTIONS = frozenset({"access_key", "secret_key", "session_token", "anonymous", "region", "endpoint_override",
+                             "scheme", "connect_timeout", "request_timeout", "force_virtual_addressing"})
+#: Objects of at least twice this size are written as multipart uploads of parts this large.
+PART_SIZE = 50 << 20
+
+log = logging.getLogger("ray_ckpt")
+
+#: The secret channel: ``seal(secrets: dict) -> token``; ``token.open()`` returns the dict, or None when the
+#: secrets are no longer reachable. Registered by the runtime layer (:func:`set_secret_channel`).
+_SEAL = None
 
 
-def _abandon(stream) -> None:
-    """Leak ``stream`` on purpose so its C++ destructor (which would commit the upload) never runs."""
-    try:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(stream))
-    except Exception:  # not CPython: keep a reference for the life of the process instead
-        _ABANDONED.append(stream)
+def set_secret_channel(seal) -> None:
+    """Register how secrets of a pickled backend travel (``seal(dict) -> picklable token with open()``).
+
+    Called once by :mod:`ray_ckpt.runtime.secrets` at import; any process."""
+    global _SEAL
+    _SEAL = seal
 
 
-_ABANDONED: list = []
+def _s3fs_kwargs(options: dict) -> dict:
+    """Keyword arguments for ``s3fs.S3FileSystem`` equivalent to the pyarrow options (credentials, endpoint,
+    region, timeouts, addressing); botocore's standard retry mode, s3fs's own retry loop off."""
+    o = options
+    kw: dict = {"skip_instance_cache": True, "use_listings_cache": False}
+    if o.get("anonymous"):
+        kw["anon"] = True
+    else:
+        for ours, theirs in (("access_key", "key"), ("secret_key", "secret"), ("session_token", "token")):
+            if o.get(ours):
+                kw[theirs] = o[ours]
+    if o.get("endpoint_override"):
+        ep = str(o["endpoint_override"])
+        kw["endpoint_url"] = ep if "://" in ep else f"{o.get('scheme') or 'https'}://{ep}"
+    if o.get("region"):
+        kw["client_kwargs"] = {"region_name": o["region"]}
+    virtual = bool(o.get("force_virtual_addressing")) or not o.get("endpoint_override")
+    kw["config_kwargs"] = {"connect_timeout": float(o.get("connect_timeout") or 10),
+                           "read_timeout": float(o.get("request_timeout") or 30),
+                           # botocore's standard mode: up to 3 quick attempts on 5xx/throttling/resets, as
+                           # pyarrow's AWS SDK client does for reads; longer outages are the RetryPolicy's
+                           "retries": {"mode": "standard", "max_attempts": 3},
+                           "s3": {"addressing_style": "virtual" if virtual else "path"}}
+    return kw
+
+
+def _rebuild(bucket: str, prefix: str, public: dict, uri: str, sealed) -> "S3Backend":
+    """Unpickle: the public options plus the secrets opened from ``sealed`` (or this process's own)."""
+    options = dict(public)
+    if sealed is not None:
+        secrets = sealed.open()
+        if secrets is None:
+            from .uri import _env_options
+            env = {k: v for k, v in _env_options().items() if k in _SECRET_OPTIONS}
+            log.warning("ray_ckpt: the S3 credentials for %s were sealed by a process that has exited; using "
+                        "this process's %s", uri, "AWS_* environment" if env else
+                        "default AWS credential chain (profile, instance role)")
+            secrets = env
+        options.update(secrets)
+    return S3Backend(bucket, prefix, options, uri=uri)
+
+
 #: Reads of an object that keeps being overwritten are retried this many times.
 _READ_ATTEMPTS = 8
 
@@ -72,17 +133,23 @@ class S3Backend:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.options = dict(options)
-        if self.options.get("background_writes") is False:
+        unknown = set(self.options) - _WRITER_OPTIONS - _PYARROW_ONLY
+        if unknown:
             raise StorageError(
-                "S3 option background_writes=False is not supported: pyarrow's synchronous upload path can "
-                "complete a multipart upload with a failed part missing"
-            )
+                f"S3 option(s) {sorted(unknown)} are not supported for {uri or bucket}: writes go through s3fs, which "
+                f"takes {sorted(_WRITER_OPTIONS)} (for an assumed role, use an AWS profile with role_arn and "
+                "AWS_PROFILE, or the instance role)")
         self._root = f"{bucket}/{self.prefix}" if self.prefix else bucket
         #: Root without query: full key URIs are ``base_uri + "/" + key``.
         self.base_uri = f"s3://{bucket}" + (f"/{quote(self.prefix, safe='/')}" if self.prefix else "")
         #: The root URI it was opened with, credentials removed.
         self.uri = uri or self.base_uri
         self._fs = self._make_fs()
+        self._lock = threading.Lock()
+        self._writer_fs = None   # s3fs, built on the first write
+        self._sealed = None      # the secret channel's token, built on the first pickle
+        #: multipart threshold / part size of writes (tests lower it)
+        self.part_size = PART_SIZE
 
     def _make_fs(self) -> pafs.S3FileSystem:
         kwargs = {**DEFAULT_OPTIONS, **self.options}
@@ -95,7 +162,22 @@ class S3Backend:
 
     # ---- pickling -------------------------------------------------------------------------------------
     def __reduce__(self):
-        return (S3Backend, (self.bucket, self.prefix, self.options, self.uri))
+        """Non-secret options in the clear; secrets only as the secret channel's token (see the module doc)."""
+        public = {k: v for k, v in self.options.items() if k not in _SECRET_OPTIONS}
+        secrets = {k: v for k, v in self.options.items() if k in _SECRET_OPTIONS}
+        if not secrets:
+            return (_rebuild, (self.bucket, self.prefix, public, self.uri, None))
+        with self._lock:
+            if self._sealed is None:
+                if _SEAL is None:
+                    raise pickle.PicklingError(
+                        f"the S3 backend for {self.uri} holds credentials and no secret channel is available to "
+                        "carry them (credentials are never pickled): use it in a process connected to Ray with "
+                        "ray_ckpt's runtime imported, or let each process resolve credentials itself (AWS_* "
+                        "environment, profile, instance role)")
+                self._sealed = _SEAL(secrets)
+            sealed = self._sealed
+        return (_rebuild, (self.bucket, self.prefix, public, self.uri, sealed))
 
     def __repr__(self) -> str:
         return f"S3Backend({self.describe()!r})"
@@ -117,29 +199,33 @@ class S3Backend:
     def _path(self, key: str) -> str:
         return f"{self._root}/{validate_key(key)}"
 
+    def _writer(self):
+        with self._lock:
+            if self._writer_fs is None:
+                import s3fs
+                fs = s3fs.S3FileSystem(**_s3fs_kwargs(self.options))
+                fs.retries = 1  # s3fs's own retry loop: off (botocore's and the caller's RetryPolicy suffice)
+                self._writer_fs = fs
+            return self._writer_fs
+
     # ---- protocol -------------------------------------------------------------------------------------
     def write(self, key: str, data: Data) -> None:
-        """Atomically store ``data`` at ``key``: one PUT, or a multipart upload completed only on success.
+        """Atomically store ``data`` at ``key``: one PUT, or a multipart upload completed only on success and
+        aborted on failure (nothing visible, nothing billed, no buffer kept).
 
         Runs in any process; thread-safe. Concurrent writers of one key: the last completed upload wins, whole.
         """
         path = self._path(key)
-        buffers = as_buffers(data)  # before opening: a bad element must not leave a partial upload
+        buffers = as_buffers(data)  # before any request: a bad element must not start an upload
+        body = bytes(buffers[0]) if len(buffers) == 1 else b"".join(buffers)
         try:
-            out = self._fs.open_output_stream(path, compression=None)
-        except OSError as e:
-            raise StorageError(f"cannot write {self.key_uri(key)}: {e}") from e
-        done = False
-        try:
-            for buf in buffers:
-                out.write(buf)
-            out.close()  # completes the upload: the object appears here, whole
-            done = True
-        except OSError as e:
-            raise StorageError(f"cannot write {self.key_uri(key)}: {e}") from e
+            self._writer().pipe_file(path, body, chunksize=self.part_size)
+        except FileNotFoundError as e:  # s3fs's translation of NoSuchBucket (a write needs no other object)
+            raise StorageError(f"cannot write {self.key_uri(key)}: NoSuchBucket: {e}") from e
+        except Exception as e:  # noqa: BLE001 - botocore/aiohttp/s3fs errors: reported as ours, cause chained
+            raise StorageError(f"cannot write {self.key_uri(key)}: {type(e).__name__}: {e}") from e
         finally:
-            if not done:
-                _abandon(out)
+            del body  # a raised error keeps this frame alive (traceback): do not keep the bytes with it
 
     def read(self, key: str) -> bytes:
         """Return the whole object, one version of it. Runs in any process; thread-safe.

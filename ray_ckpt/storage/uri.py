@@ -14,7 +14,7 @@ S3 options are merged per option: keyword argument > URI query parameter > envir
 -> credentials). Credentials are taken as a group from the highest source that names an access key, so a key
 from one source is never paired with a secret from another. A keyword option set to ``None`` counts as unset.
 The environment is read once, at open time, in the opening process: a pickled backend carries the resolved
-options (see :class:`~ray_ckpt.storage.s3.S3Backend`).
+non-secret options, and its credentials only through the secret channel (see :mod:`ray_ckpt.storage.s3`).
 """
 from __future__ import annotations
 
