@@ -82,6 +82,13 @@ def test_replica_writes_the_fulls_and_restores_the_latest_step_with_zero_replay(
     for s in range(50):
         T.train_step("mlp", model, opt, sch, s)
     ck.flush()
+    # a snapshot for the latest step waits for the replica to apply the records it was fed (the restoring
+    # process would replay them otherwise); one for a step never fed returns what it has once progress stalls
+    replica = ray.get_actor(naming.replica_name(run), namespace=naming.NAMESPACE)
+    assert ray.get(replica.snapshot.remote(ck.generation, 50, 30.0))["step"] == 50
+    t0 = time.monotonic()
+    assert ray.get(replica.snapshot.remote(ck.generation, 60, 0.3))["step"] == 50
+    assert time.monotonic() - t0 < 20
     _wait_replica_at(run, 50)
     stats = ck.stats()
     assert stats["trainer_fulls"] == 1, stats      # the attach full only

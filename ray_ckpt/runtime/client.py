@@ -140,7 +140,7 @@ def load_via_coordinator(storage, step: int | None, *, run: str | None = None,
     if "replica" in plan:
         try:
             replica = ray.get_actor(naming.replica_name(run_name(storage, run)), namespace=naming.NAMESPACE)
-            snap = ray.get(replica.snapshot.remote(plan["generation"]), timeout=timeout)
+            snap = ray.get(replica.snapshot.remote(plan["generation"], plan["step"]), timeout=timeout)
         except Exception as e:  # noqa: BLE001 - the replica is gone: the chain is complete without it
             log.info("ray_ckpt: replica unavailable (%s); restoring from the chain", e)
             snap = None

@@ -37,6 +37,10 @@ from ray_ckpt.runtime.worker import as_buffers, join
 
 log = logging.getLogger("ray_ckpt")
 
+#: :meth:`ReplicaActor.snapshot` stops waiting for the replica to reach the restored step after this long
+#: without progress (one application of a step on a large model takes well under a second).
+SNAPSHOT_STALL_S = 2.0
+
 
 class ReplicaActor:
     def __init__(self, run: str, storage, full_every: int, max_lag: int):
@@ -84,26 +88,38 @@ class ReplicaActor:
                     self._rebuild = True
             self._cv.notify_all()
 
-    def snapshot(self, generation: int) -> dict | None:
-        """The current state of ``generation`` as one encoded full (no checksum: a memory hand-off) put in the
-        object store by this actor: ``{"step", "ref", "nbytes"}``, or None when the replica cannot provide it."""
+    def snapshot(self, generation: int, step: int | None = None, stall_s: float = SNAPSHOT_STALL_S) -> dict | None:
+        """The state of ``generation`` as one encoded full (no checksum: a memory hand-off) put in the object
+        store by this actor: ``{"step", "ref", "nbytes"}``, or None when the replica cannot provide it.
+
+        With ``step`` (the step being restored), first wait while the replica is behind it and still advancing:
+        its state is that step a few applications later, and each step it applies is one the restoring process
+        would otherwise replay itself, on the same code path and no faster. The wait ends when it reaches
+        ``step``, fails, or applies nothing for ``stall_s`` seconds (a missing chunk: the caller then replays
+        the rest from the records); the snapshot is whatever step it reached.
+
+        One copy: the encoded parts are views of the shadow's tensors, and ``ray.put`` of that list copies each
+        straight into the object store (under the lock: the shadow must not advance meanwhile); the restoring
+        process decodes them from there without joining (``container.decode`` takes a list of parts)."""
         with self._cv:
+            last, since = None, time.monotonic()
+            while (step is not None and self.shadow is not None and self.ok and self.generation == generation
+                   and self.shadow.step < step and time.monotonic() - since < stall_s):
+                if self.shadow.step != last:
+                    last, since = self.shadow.step, time.monotonic()
+                self._cv.wait(0.1)
             if self.shadow is None or not self.ok or self.generation != generation:
                 return None
             t0 = time.perf_counter()
-            bufs = rec_fmt.encode_full(self.shadow.snapshot(), checksum=False)
-            n = sum(memoryview(b).nbytes for b in bufs)
-            out = np.empty(n, dtype=np.uint8)
-            pos = 0
-            for b in bufs:
-                mv = memoryview(b).cast("B")
-                out[pos:pos + mv.nbytes] = np.frombuffer(mv, dtype=np.uint8)
-                pos += mv.nbytes
-            step = self.shadow.step
-        ref = ray.put(out)
+            bufs = [np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
+                    for b in rec_fmt.encode_full(self.shadow.snapshot(), checksum=False)]
+            n = sum(b.nbytes for b in bufs)
+            at = self.shadow.step
+            ref = ray.put(bufs)
+            del bufs
         self._stats["snapshots"] += 1
         self._stats["snapshot_seconds"] = time.perf_counter() - t0
-        return {"step": step, "ref": ref, "nbytes": n}
+        return {"step": at, "ref": ref, "nbytes": n}
 
     def status(self) -> dict:
         with self._cv:
@@ -206,6 +222,7 @@ class ReplicaActor:
                 if shadow.step in fulls:
                     self._write_full(shadow, m.generation)
                 records = records[cut:]
+            self._cv.notify_all()  # a snapshot may be waiting for this step
         self._stats["apply_seconds"] += time.perf_counter() - t0
         self._progress()
 
