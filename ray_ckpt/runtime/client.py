@@ -4,9 +4,11 @@ Both run in the process that trains (a Ray Train worker, or any process connecte
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import ray
+import torch
 
 from ray_ckpt.engine.restore import LoadedChain, load_chain, load_lineage, read_object
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
@@ -171,7 +173,10 @@ def load_plan(storage, plan: dict, *, timeout: float = 60.0, snapshot: dict | No
     p = Plan(step=plan["step"], generation=plan["generation"], full=manifests[0], diffs=tuple(manifests[1:]))
     if snapshot is not None and p.full.last_step <= snapshot["step"] <= p.step:
         data = ray.get(snapshot["ref"], timeout=timeout)
-        full = rec_fmt.decode_full(data, "<replica snapshot>", verify=False)
+        # one copy of each tensor: the model's are read-only views of the object store (load_state_dict copies
+        # them into the parameters); the optimizer and loop state, which the optimizer keeps, are cloned
+        full = rec_fmt.decode_full(data, "<replica snapshot>", verify=False, copy=False)
+        full = dataclasses.replace(full, optimizer=_owned(full.optimizer), loop=_owned(full.loop))
         later = tuple(m for m in p.diffs if m.last_step > full.step)
         records = []
         for m in later:
@@ -187,6 +192,17 @@ def load_plan(storage, plan: dict, *, timeout: float = 60.0, snapshot: dict | No
     chain = load_chain(storage, p, reader)
     tiers["replayed"] = len(chain.records)
     return chain, tiers
+
+
+def _owned(tree):
+    """``tree`` with every tensor cloned (writable memory of this process), structure kept."""
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _owned(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_owned(v) for v in tree)
+    return tree
 
 
 def record_restore(storage, run: str | None, seconds: float) -> None:
