@@ -7,7 +7,8 @@ Call order, all in the training process::
     full_control()  training thread, once per step, O(1): whether the state tier takes the policy's fulls and
                     whether the coordinator asks for a full now
     sender thread   collects consecutive step records into a *chunk* — ``batch_steps`` records, or what arrived
-                    within ``handoff_delay`` seconds, whichever comes first — encodes it once (one segment, the
+                    within ``handoff_delay`` seconds, whichever comes first; at once when records arrive further
+                    apart than ``handoff_delay`` (slow steps: nothing to batch) — encodes it once (one segment, the
                     checksum computed while encoding) and hands it to this node's PersistenceWorker in ONE
                     actor call; fulls are handed over as they are (their buffers, no concatenation)
     flush()         training thread: hands over what is collected and waits until everything is durable
@@ -20,7 +21,8 @@ Healing: the sender keeps every chunk (it references the captured tensors; no co
 it *safe* — held on two nodes or durable. The worker's answers carry its incarnation; when it changes (the
 actor restarted and lost what it held), every unsafe chunk is sent again, in order, so a worker restart never
 opens a hole in the lineage. A crash of this process loses the records not yet handed over: the chunk being
-collected (``batch_steps`` steps or ``handoff_delay`` seconds of training) and at most ``batch_steps`` queued
+collected (``batch_steps`` steps or ``handoff_delay`` seconds of training; nothing when steps are slower than
+``handoff_delay``, as their records are handed over on arrival) and at most ``batch_steps`` queued
 records — when the sender falls behind, ``submit`` waits for room in the queue (``stats()["queue_stalls"]``).
 
 A step is *recoverable* as soon as the worker acknowledged its chunk (held in the node's object store);
@@ -182,6 +184,7 @@ class RaySink(BoundedSink):
     def _run(self) -> None:
         chunk: list = []
         chunk_t0 = 0.0
+        last_arrival, gap_ewma = None, None   # step records' inter-arrival time (smoothed)
         cpu0 = time.thread_time()
         while True:
             entry = None
@@ -222,10 +225,18 @@ class RaySink(BoundedSink):
                             chunk = []
                         self._handoff([(item, size)], full=True)
                     else:
+                        now = time.monotonic()
                         if not chunk:
-                            chunk_t0 = time.monotonic()
+                            chunk_t0 = now
+                        if last_arrival is not None:
+                            gap = now - last_arrival
+                            gap_ewma = gap if gap_ewma is None else 0.7 * gap_ewma + 0.3 * gap
+                        last_arrival = now
                         chunk.append((item, size))
-                        if close_batch or len(chunk) >= self.batch_steps or self._pressure:
+                        # slow steps (records further apart than handoff_delay): waiting would batch nothing
+                        # and only widen what a crash of this process loses, so hand the record over at once
+                        slow = gap_ewma is not None and gap_ewma > self.handoff_delay
+                        if close_batch or len(chunk) >= self.batch_steps or self._pressure or slow:
                             self._handoff(chunk)
                             chunk = []
                 elif chunk and time.monotonic() >= chunk_t0 + self.handoff_delay:
