@@ -39,13 +39,12 @@ from urllib.parse import quote, urlencode
 import pyarrow.fs as pafs
 
 from .base import TMP_PREFIX, Data, ObjectNotFound, StorageError, as_buffers, validate_key, validate_prefix
+from .uri import SECRET_OPTIONS, _env_options
 
 #: Options shown by ``describe()`` (enough to reopen the same endpoint, given credentials).
 _DESCRIBED_OPTIONS = ("endpoint_override", "scheme", "region")
 #: Our defaults on top of pyarrow's (an explicit option, query parameter or env setting wins).
 DEFAULT_OPTIONS = {"allow_delayed_open": True}
-#: Options that may hold secrets (kept in sync with ``uri.SECRET_OPTIONS``; not imported to avoid a cycle).
-_SECRET_OPTIONS = frozenset({"access_key", "secret_key", "session_token", "proxy_options", "external_id"})
 #: pyarrow options that only shape pyarrow's own writes or bucket handling: accepted, unused by the s3fs writer.
 _PYARROW_ONLY = frozenset({"allow_delayed_open", "background_writes", "allow_bucket_creation",
                            "allow_bucket_deletion", "check_directory_existence_before_creation"})
@@ -102,8 +101,7 @@ def _rebuild(bucket: str, prefix: str, public: dict, uri: str, sealed) -> "S3Bac
     if sealed is not None:
         secrets = sealed.open()
         if secrets is None:
-            from .uri import _env_options
-            env = {k: v for k, v in _env_options().items() if k in _SECRET_OPTIONS}
+            env = {k: v for k, v in _env_options().items() if k in SECRET_OPTIONS}
             log.warning("ray_ckpt: the S3 credentials for %s were sealed by a process that has exited; using "
                         "this process's %s", uri, "AWS_* environment" if env else
                         "default AWS credential chain (profile, instance role)")
@@ -163,8 +161,8 @@ class S3Backend:
     # ---- pickling -------------------------------------------------------------------------------------
     def __reduce__(self):
         """Non-secret options in the clear; secrets only as the secret channel's token (see the module doc)."""
-        public = {k: v for k, v in self.options.items() if k not in _SECRET_OPTIONS}
-        secrets = {k: v for k, v in self.options.items() if k in _SECRET_OPTIONS}
+        public = {k: v for k, v in self.options.items() if k not in SECRET_OPTIONS}
+        secrets = {k: v for k, v in self.options.items() if k in SECRET_OPTIONS}
         if not secrets:
             return (_rebuild, (self.bucket, self.prefix, public, self.uri, None))
         with self._lock:
