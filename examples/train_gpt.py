@@ -41,8 +41,11 @@ def train_loop(cfg: dict) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
     sched = warmup_cosine(opt, warmup=max(1, cfg["steps"] // 10), total=cfg["steps"])
     data = ByteBatches(stdlib_corpus(cfg["corpus_mb"] << 20), model.config.seq, cfg["batch"])
+    # the storage comes from the callback as a URI without credentials: credentials given with --storage-option
+    # reach the workers in train_loop_config (Ray Train pickles it); node credentials (AWS_*, profile, instance
+    # role) need nothing
     session = ray_ckpt.train.attach(net, opt, scheduler=sched, full_every=cfg["full_every"],
-                                    batch_steps=cfg["batch_steps"])
+                                    batch_steps=cfg["batch_steps"], storage_options=cfg["storage_options"])
     if rank == 0:
         verb = "resuming at" if session.restored else "starting at"
         print(f"[ray_ckpt] {verb} step {session.start_step} on {world} workers "
@@ -112,6 +115,7 @@ def main(argv=None) -> int:
     workers = args.workers if args.min_workers is None else (args.min_workers, args.workers)
     cfg = {k: getattr(args, k) for k in ("steps", "preset", "batch", "lr", "topk", "full_every", "batch_steps",
                                          "corpus_mb", "threads", "log_every")}
+    cfg["storage_options"] = options
     trainer = TorchTrainer(
         train_loop, train_loop_config=cfg,
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=args.use_gpu),
