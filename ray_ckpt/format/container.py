@@ -19,6 +19,7 @@ Pure layer: numpy and torch only; runs in any process.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import struct
@@ -251,9 +252,9 @@ def _decode_parts(parts: list[memoryview], name: str, verify: bool):
         if crc != header.get("data_crc"):
             raise _fail(name, "data checksum mismatch")
     entries = _table(header, data_len, name)
-    bounds, pos = [], 0
+    starts, pos = [], 0
     for p in parts[1:]:
-        bounds.append((pos, p))
+        starts.append(pos)
         pos += p.nbytes
     arrays: dict[str, np.ndarray] = {}
     for tname, e in entries.items():
@@ -262,11 +263,10 @@ def _decode_parts(parts: list[memoryview], name: str, verify: bool):
         if not count:
             arrays[tname] = np.empty(0, npdt).reshape(e.shape)
             continue
-        part = next(((off, p) for off, p in bounds if off <= e.offset and e.offset + e.nbytes <= off + p.nbytes),
-                    None)
-        if part is None:   # a tensor spans two parts (not encode()'s layout): one joined copy
-            return decode(b"".join(parts), name, verify=False)
-        off, p = part
+        i = bisect.bisect_right(starts, e.offset) - 1   # the part where the tensor starts
+        if i < 0 or e.offset + e.nbytes > starts[i] + parts[i + 1].nbytes:
+            return decode(b"".join(parts), name, verify=False)   # it spans two parts: one joined copy
+        off, p = starts[i], parts[i + 1]
         arrays[tname] = np.frombuffer(p, dtype=npdt, count=count, offset=e.offset - off).reshape(e.shape)
     return header.get("meta"), arrays, entries
 
