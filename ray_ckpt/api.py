@@ -69,6 +69,7 @@ class Checkpointer:
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        _check_plain_params(optimizer)
         strategy = strategy if strategy is not None else LowDiff()
         impl = impl_for(strategy)
         if runtime not in ("local", "ray"):
@@ -281,6 +282,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     t0 = time.perf_counter()
     model = _unwrap(model)
     check_not_attached(optimizer)
+    _check_plain_params(optimizer)
     uri, step = _from_pointer(uri, step)
     storage = open_uri(uri, storage_options)
     chain = None
@@ -373,6 +375,21 @@ def load_export(path: str | os.PathLike) -> dict:
     for ``model.load_state_dict`` / ``optimizer.load_state_dict``. Calling process."""
     from ray_ckpt.engine.export import load_export as _load
     return _load(path)
+
+
+def _check_plain_params(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, at attach/restore, parameters that are tensor subclasses (FSDP2's DTensor shards): ray_ckpt
+    checkpoints whole, replicated state (every rank holds all of it, as with DDP); sharded state would fail
+    later, in a background thread, with a less clear error. Training process."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            kind = type(p.data)
+            if kind is not torch.Tensor:
+                hint = (" (FSDP2 / fully_shard parameters are DTensor shards: sharded training state is not "
+                        "supported yet; checkpoint a DDP or single-process model, or use PyTorch DCP for FSDP2)"
+                        if "DTensor" in kind.__name__ else "")
+                raise NotImplementedError(f"ray_ckpt checkpoints parameters that are plain torch.Tensors; this "
+                                          f"optimizer holds a {kind.__module__}.{kind.__name__}{hint}")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
