@@ -61,9 +61,14 @@ def train_loop(cfg: dict) -> None:
         json.dump({"pid": os.getpid(), "start": session.start_step, "world": world,
                    "restored": session.restored, "time": time.time()}, f)
     if rank == 0 and cfg.get("snapshots"):
-        _save(out, f"resume-{session.start_step}-{world}.pt", model, opt, sched)
-        with open(os.path.join(out, f"restore-{session.start_step}.json"), "w") as f:
-            json.dump({"seconds": session.restore_seconds}, f)
+        marker = os.path.join(out, "started")
+        if os.path.exists(marker):   # a restart (the first start of the run is not a resume)
+            tag = f"{session.start_step}-{world}-{time.time_ns()}"
+            _save(out, f"resume-{tag}.pt", model, opt, sched)
+            with open(os.path.join(out, f"restore-{tag}.json"), "w") as f:
+                json.dump({"seconds": session.restore_seconds}, f)
+        else:
+            open(marker, "w").close()
     for step in range(session.start_step, cfg["steps"]):
         torch.manual_seed(1000 * step + rank)
         x, y = data.get(step, rank)
@@ -197,8 +202,11 @@ def main(argv=None) -> int:
                     with open(os.path.join(out, f"pid-{rank}.json")) as f:
                         pid = json.load(f)["pid"]
                     os.kill(pid, signal.SIGKILL)
+                    t_kill = time.time()
+                    time.sleep(0.5)   # the surviving rank may still finish the step it was in
+                    seen = max(seen, _progress(out), key=lambda p: p["step"])
                     events.append({"what": f"SIGKILL rank {rank} (pid {pid})", "at": seen["step"],
-                                   "time": time.time()})
+                                   "time": t_kill})
                 else:
                     victim = nodes[1]
                     cluster.remove_node(victim)
@@ -220,20 +228,18 @@ def main(argv=None) -> int:
         print(f"    done in {time.time() - t0:.0f} s")
 
         print("3/3 checking against the reference ...", flush=True)
-        resumes = []
+        resumes = []   # every restart of the worker group, in the order they happened
         for path in glob.glob(os.path.join(out, "resume-*.pt")):
-            step, world = map(int, os.path.basename(path)[7:-3].split("-"))
-            if step == 0:
-                continue
-            resumes.append((step, world, path))
+            step, world, ns = map(int, os.path.basename(path)[7:-3].split("-"))
+            resumes.append((ns, step, world, path))
         resumes.sort()
         rows = []
-        for ev, (step, world, path) in zip(events, resumes):
+        for ev, (_, step, world, path) in zip(events, resumes):
             ref = torch.load(os.path.join(ref_out, f"ref-{step}.pt"), weights_only=True)
             got = torch.load(path, weights_only=True)
             same = _equal(ref, got)
             ok &= same
-            with open(os.path.join(out, f"restore-{step}.json")) as f:
+            with open(path[:-3].replace("resume-", "restore-") + ".json") as f:
                 restore_s = json.load(f)["seconds"]
             rows.append((ev["what"], ev["at"], step, ev["at"] - step, world, same, restore_s))
         # recovery time: from each failure to the first step trained after it
@@ -287,8 +293,7 @@ def main(argv=None) -> int:
 def _recovery_times(out, events) -> list[float]:
     """Seconds from each injected failure to the restored state being written by the new worker group (the
     restore itself, the worker-group restart by Ray Train and the failure detection all included)."""
-    res = sorted(os.path.getmtime(p) for p in glob.glob(os.path.join(out, "resume-*.pt"))
-                 if not os.path.basename(p).startswith("resume-0-"))
+    res = sorted(os.path.getmtime(p) for p in glob.glob(os.path.join(out, "resume-*.pt")))  # restarts only
     return [max(0.0, t - ev["time"]) for ev, t in zip(events, res)]
 
 

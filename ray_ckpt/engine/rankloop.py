@@ -100,12 +100,15 @@ class RankLoopRecorder:
     """Records rank ``rank``'s loop state for every optimizer step of ``optimizer``. Training process of the rank.
 
     Attaching writes the loop state at ``start_step`` synchronously (so a restart always finds the start of the
-    generation); later records go through a writer thread in batches of ``batch_steps``, with a loop-state
-    full every ``full_every`` steps. Call :meth:`close` at the end of training (flushes)."""
+    generation); later records go through a writer thread in batches of ``batch_steps`` or what arrived within
+    ``max_batch_delay`` seconds, whichever comes first (the steps a restore can agree on are bounded by every rank's
+    written loop state: a batch held back for ``batch_steps`` slow steps would cost the whole group those steps
+    after a crash), with a loop-state full every ``full_every`` steps. Call :meth:`close` at the end of training
+    (flushes)."""
 
     def __init__(self, storage, rank: int, model, optimizer, *, main_generation: int, start_step: int,
                  extra_state: Any = None, full_every: int = 100, batch_steps: int = 10,
-                 max_pending_bytes: int = 64 << 20):
+                 max_pending_bytes: int = 64 << 20, max_batch_delay: float | None = 0.2):
         self.rank = rank
         self.storage = rank_storage(storage, rank)
         lineage, _ = load_lineage(self.storage, strict=False)
@@ -114,7 +117,7 @@ class RankLoopRecorder:
         impl = LoopImpl(_LoopOnly())
         self._writer = AsyncWriter(self.storage, self.generation, impl, max_pending_bytes=max_pending_bytes,
                                    info={MAIN_GENERATION: int(main_generation), "rank": rank},
-                                   index=lineage.manifests)
+                                   index=lineage.manifests, max_batch_delay=max_batch_delay)
         self._capture = LoopCapture(model, optimizer, self._writer, FixedFrequencyPolicy(full_every, batch_steps),
                                     start_step=start_step, extra_state=extra_state)
         try:

@@ -174,7 +174,7 @@ class AsyncWriter(BoundedSink):
     def __init__(self, storage, generation: int, impl, *, max_pending_bytes: int, write_retries: int = 3,
                  write_timeout: float = 300.0, info: dict | None = None,
                  on_commit: Callable[[Manifest], None] | None = None, index: list | None = None,
-                 keep_fulls: int = 0, lease=None):
+                 keep_fulls: int = 0, lease=None, max_batch_delay: float | None = None):
         super().__init__(max_pending_bytes, f"ray_ckpt-writer-g{generation}")
         self.storage = storage
         self.generation = generation
@@ -191,6 +191,10 @@ class AsyncWriter(BoundedSink):
         #: the writer lease (:mod:`ray_ckpt.engine.lease`), renewed before commits; None: no lease
         self.lease = lease
         self._batch: list = []
+        #: seconds a partial batch may wait for more records before it is written (None: until the policy closes
+        #: it); bounds what a crash loses in time as well as in steps
+        self.max_batch_delay = max_batch_delay
+        self._batch_t0 = 0.0
         self._thread.start()
 
     # -- writer thread ---------------------------------------------------------------------------------------
@@ -198,12 +202,18 @@ class AsyncWriter(BoundedSink):
         while True:
             with self._cv:
                 while not self._queue and not self._closing and not (self._pressure and self._batch):
-                    self._cv.wait()
+                    if self._batch and self.max_batch_delay is not None:
+                        left = self._batch_t0 + self.max_batch_delay - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cv.wait(left)
+                    else:
+                        self._cv.wait()
                 if self._closing and not self._queue:
                     return
                 entry = self._queue.popleft() if self._queue else None
             try:
-                if entry is None:          # pressure with nothing queued: write the partial batch now
+                if entry is None:          # pressure or an overdue partial batch, nothing queued: write it now
                     self._write_batch()
                     continue
                 item, size, close_batch = entry
@@ -215,8 +225,12 @@ class AsyncWriter(BoundedSink):
                     self._write_full(item)
                     self._release(size)
                 else:  # a strategy's diff record
+                    if not self._batch:
+                        self._batch_t0 = time.monotonic()
                     self._batch.append((item, size))
-                    if close_batch or self._pressure:
+                    overdue = (self.max_batch_delay is not None
+                               and time.monotonic() - self._batch_t0 >= self.max_batch_delay)
+                    if close_batch or self._pressure or overdue:
                         self._write_batch()
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self._fail(e, entry[0] if isinstance(entry, tuple) else None)
