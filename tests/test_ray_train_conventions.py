@@ -98,3 +98,18 @@ def test_another_run_is_refused_unless_it_adopts(killed_run):
     T.assert_same(reference["state"], finals[0]["state"], "adopted run")
     # a resumed run that took no step still reports its pointer at close
     assert ray_ckpt.train.read_pointer(r.checkpoint)["step"] == TOTAL
+
+
+def test_callback_warns_that_its_credentials_do_not_reach_the_workers(caplog):
+    """Credentials given to the callback stay with it (no actor hands them out): it says so, naming the option
+    names (never the values), so a worker's AccessDenied is not a mystery."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="ray_ckpt"):
+        ray_ckpt.train.RayCkptCallback("s3://bucket/run", storage_options={
+            "endpoint_override": "127.0.0.1:9", "scheme": "http", "access_key": "AKID", "secret_key": "s3cr3t"})
+    assert "access_key, secret_key" in caplog.text and "attach()" in caplog.text
+    assert "s3cr3t" not in caplog.text and "AKID" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ray_ckpt"):
+        ray_ckpt.train.RayCkptCallback("s3://bucket/run", storage_options={"endpoint_override": "127.0.0.1:9"})
+    assert "credentials" not in caplog.text

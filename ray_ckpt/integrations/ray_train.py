@@ -72,6 +72,13 @@ class RayCkptCallback(ControllerCallback):
         self.adopt = adopt
         if self.storage_uri is not None:  # fail fast on a bad URI, on the driver
             _storage.open_storage(self.storage_uri, **self.storage_options)
+        from ray_ckpt.storage.uri import SECRET_OPTIONS
+        given = sorted(k for k in self.storage_options if k in SECRET_OPTIONS and self.storage_options[k])
+        if given:
+            log.warning("ray_ckpt: RayCkptCallback got credentials (%s) in storage_options; they are not forwarded "
+                        "to the training workers (no actor hands credentials out): pass the same storage_options "
+                        "to ray_ckpt.train.attach(), or give the nodes credentials (AWS_* environment, profile, "
+                        "instance role)", ", ".join(given))
         self.failures = 0
 
     # -- controller side ---------------------------------------------------------------------------------------
