@@ -36,6 +36,7 @@ import torch
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from ray_ckpt import storage as _storage
+from ray_ckpt.storage.uri import SECRET_OPTIONS
 from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.api import Checkpointer, _unwrap, read_pointer, restore, write_pointer
 from ray_ckpt.lineage import NoCheckpointError
@@ -72,7 +73,6 @@ class RayCkptCallback(ControllerCallback):
         self.adopt = adopt
         if self.storage_uri is not None:  # fail fast on a bad URI, on the driver
             _storage.open_storage(self.storage_uri, **self.storage_options)
-        from ray_ckpt.storage.uri import SECRET_OPTIONS
         given = sorted(k for k in self.storage_options if k in SECRET_OPTIONS and self.storage_options[k])
         if given:
             log.warning("ray_ckpt: RayCkptCallback got credentials (%s) in storage_options; they are not forwarded "

@@ -69,6 +69,12 @@ def set_secret_channel(seal) -> None:
     _SEAL = seal
 
 
+def _endpoint_url(options: dict) -> str:
+    """``endpoint_override`` as the URL botocore and s3fs take (pyarrow's ``scheme`` option, https by default)."""
+    ep = str(options["endpoint_override"])
+    return ep if "://" in ep else f"{options.get('scheme') or 'https'}://{ep}"
+
+
 def _s3fs_kwargs(options: dict) -> dict:
     """Keyword arguments for ``s3fs.S3FileSystem`` equivalent to the pyarrow options (credentials, endpoint,
     region, timeouts, addressing); botocore's standard retry mode, s3fs's own retry loop off."""
@@ -81,8 +87,7 @@ def _s3fs_kwargs(options: dict) -> dict:
             if o.get(ours):
                 kw[theirs] = o[ours]
     if o.get("endpoint_override"):
-        ep = str(o["endpoint_override"])
-        kw["endpoint_url"] = ep if "://" in ep else f"{o.get('scheme') or 'https'}://{ep}"
+        kw["endpoint_url"] = _endpoint_url(o)
     if o.get("region"):
         kw["client_kwargs"] = {"region_name": o["region"]}
     virtual = bool(o.get("force_virtual_addressing")) or not o.get("endpoint_override")
@@ -215,7 +220,7 @@ class S3Backend:
         """
         path = self._path(key)
         buffers = as_buffers(data)  # before any request: a bad element must not start an upload
-        body = bytes(buffers[0]) if len(buffers) == 1 else b"".join(buffers)
+        body = b"".join(buffers)   # one copy: botocore takes bytes
         try:
             self._writer().pipe_file(path, body, chunksize=self.part_size)
         except FileNotFoundError as e:  # s3fs's translation of NoSuchBucket (a write needs no other object)
@@ -359,10 +364,7 @@ class S3Backend:
         if unsupported:
             self._botocore = None
             return None
-        endpoint = None
-        if o.get("endpoint_override"):
-            ep = str(o["endpoint_override"])
-            endpoint = ep if "://" in ep else f"{o.get('scheme') or 'https'}://{ep}"
+        endpoint = _endpoint_url(o) if o.get("endpoint_override") else None
         session = botocore.session.get_session()
         self._botocore = session.create_client(
             "s3", region_name=o.get("region") or "us-east-1", endpoint_url=endpoint,
