@@ -254,13 +254,23 @@ class AdaptivePolicy:
         self.__init__(s["full_every"], s["batch_steps"], pinned=s["pinned"])
 
 
+#: a new choice within this factor of the one in force is not adopted (unless a failure or restore arrived)
+HYSTERESIS = 1.25
+
+
+def _near(new: int, old: int) -> bool:
+    return old / HYSTERESIS <= new <= old * HYSTERESIS or abs(new - old) <= 1
+
+
 @dataclass
 class PolicyTuner:
     """Feeds a :class:`CostModel` and re-optimizes; the owner (coordinator or writer thread) calls it.
 
     Call order: ``observe_*`` as events arrive; :meth:`decide` (re-optimizes when enough is known:
     ``min_commits`` commits, at most every ``min_interval_s`` unless a failure arrived) returns the current
-    :class:`PolicyChoice` and applies it to ``policy`` when one is attached. :meth:`report` for stats/inspect.
+    :class:`PolicyChoice` and applies it to ``policy`` when one is attached; a new choice within
+    :data:`HYSTERESIS` of the one in force is not adopted, unless a failure or a restore made it due.
+    :meth:`report` for stats/inspect.
     """
 
     model: CostModel
@@ -303,7 +313,7 @@ class PolicyTuner:
             return self.choice
         if not due:
             return self.choice
-        self._dirty, self._last_opt = False, now
+        dirty, self._dirty, self._last_opt = self._dirty, False, now
         c = optimize(self.model.inputs(now), self.limits)
         if self.pinned:
             n = self.full_every if "full_every" in self.pinned else c.full_every
@@ -314,8 +324,23 @@ class PolicyTuner:
                                      f"choose full_every={c.full_every}, batch_steps={c.batch_steps}: {c.reason}")
         else:
             applied = c
-        changed = (self.choice is None or applied.full_every != self.choice.full_every
-                   or applied.batch_steps != self.choice.batch_steps)
+        prev = self.choice
+        if prev is not None and not force and not dirty:
+            # hysteresis, per value: the expected loss is flat near the optimum (Young/Daly's square root), while
+            # every change of full_every can take a full at once; small moves of the estimates change nothing
+            n = prev.full_every if _near(applied.full_every, prev.full_every) else applied.full_every
+            b = prev.batch_steps if _near(applied.batch_steps, prev.batch_steps) else applied.batch_steps
+            if (n, b) == (prev.full_every, prev.batch_steps):
+                return prev
+            if (n, b) != (applied.full_every, applied.batch_steps):
+                b = min(b, n)
+                applied = replace(applied, full_every=n, batch_steps=b,
+                                  lost_s_per_hour=expected_loss(applied.inputs, n, b)["lost_s_per_hour"],
+                                  reason=f"{applied.reason}; kept "
+                                         + ("full_every" if n == prev.full_every else "batch_steps")
+                                         + f" (within {HYSTERESIS:g}x of the value in force)")
+        changed = (prev is None or applied.full_every != prev.full_every
+                   or applied.batch_steps != prev.batch_steps)
         self.choice = applied
         self.full_every, self.batch_steps = applied.full_every, applied.batch_steps
         if changed:

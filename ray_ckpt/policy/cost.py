@@ -7,7 +7,8 @@ Nothing here runs on the training thread except :meth:`CostModel.observe_step`, 
 
 What is estimated (:class:`CostModel`):
 
-* step time (seconds per optimizer step, including the capture);
+* step time (wall seconds per optimizer step, including the capture and any pause between steps, averaged
+  over the last ~50 steps);
 * a full checkpoint's cost on the training path (the host snapshot) and in the persistence tier (encode + write);
 * bytes per diff step and per full;
 * write bandwidth and per-request latency, per storage backend: a least-squares fit of ``seconds = latency +
@@ -156,7 +157,10 @@ class CostModel:
     background_cost: float = 0.25     #: see CostInputs.background_cost
     restart_s: float = 30.0           #: default restart time until a restore is measured
     started_at: float = 0.0           #: time the run started (exposure is counted from here)
-    step: RunningEstimate = field(default_factory=lambda: RunningEstimate(1.0))
+    #: wall time per step over the last ~50 steps (alpha 0.02), pauses (evaluation, stalls) amortized: the
+    #: conversion of a checkpoint interval between seconds and steps. A fast estimate (0.2) made a periodic
+    #: pause swing the chosen interval by 6x (each swing down took a full at once)
+    step: RunningEstimate = field(default_factory=lambda: RunningEstimate(1.0, alpha=0.02))
     full_block: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0))
     full_persist: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0))
     diff_block: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0))
