@@ -5,8 +5,11 @@ Definitions (per job and configuration, over every measured step of every round)
 * ``median_step_s`` — median of the per-step wall times (rank 0; the ranks run in lockstep);
 * ``mean_step_s`` — mean of them: periodic work (a save every 10 steps, a full checkpoint every
   ``full_every`` steps) shows here, not in the median;
-* ``overhead_pct`` — ``mean / mean(reference) - 1`` (amortized, what a whole run pays); ``overhead_median_pct``
-  the same with medians (the typical step); ``vs_ddp_pct`` — mean against plain DDP without checkpointing;
+* ``overhead_paired_median_pct`` / ``overhead_ci95_pct`` — per round, ``mean / mean(reference in the same
+  round) - 1`` (amortized, what a whole run pays); its median over rounds and the 95% percentile-bootstrap
+  interval (:func:`paired_median_ci`); ``overhead_thread_cpu_*`` / ``overhead_cpu_*`` the same with the training
+  thread's CPU time per step and with the CPU of every process; ``overhead_pct`` — pooled means, no interval;
+  ``vs_ddp_pct`` — mean against plain DDP without checkpointing;
 * ``bytes_per_step`` — bytes persisted by the training loop's checkpoints (saves inside the loop, not the
   attach-time full) / loop steps; ``fraction_of_full`` — that over the bytes of a full checkpoint's tensors
   (model state_dict + optimizer state: AdamW, SGD momentum for the MLP);
@@ -25,29 +28,51 @@ import statistics
 REFERENCE_DDP = "none"
 
 
-def _half_range(d: dict) -> float:
-    """Half the range of the values of ``d`` relative to their mean (0 with fewer than two)."""
-    v = [x for x in d.values() if x]
-    if len(v) < 2:
-        return 0.0
-    return (max(v) - min(v)) / 2 / (sum(v) / len(v))
+BOOTSTRAP_RESAMPLES = 10000
 
 
-# two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal 1.96)
-_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-
-
-def ci95(xs: list[float]) -> tuple[float, float] | None:
-    """95% confidence interval of the mean of ``xs`` (Student's t; the samples are per-round paired overheads,
-    each round's configuration against its own reference in the same round). None with fewer than two."""
-    xs = [x for x in xs if x is not None]
-    if len(xs) < 2:
+def paired_median_ci(xs: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+                     ) -> tuple[float, tuple[float, float]] | None:
+    """The median of the paired differences ``xs`` (one per round: the configuration's mean step against its
+    reference's in the same round) and its 95% percentile-bootstrap confidence interval: ``resamples`` resamples
+    of the rounds with replacement (fixed seed: the same data gives the same interval), the 2.5% and 97.5%
+    quantiles of their medians. Robust to a round disturbed by other work on the machine, which moves a mean and
+    a Student-t interval a lot. None with fewer than three rounds (a bootstrap of two is no interval)."""
+    import random as _random
+    xs = sorted(x for x in xs if x is not None)
+    n = len(xs)
+    if n < 3:
         return None
-    m = sum(xs) / len(xs)
-    sd = statistics.stdev(xs)
-    h = (_T95[len(xs) - 2] if len(xs) - 1 <= len(_T95) else 1.96) * sd / len(xs) ** 0.5
-    return m - h, m + h
+    rng = _random.Random(seed)
+    meds = []
+    for _ in range(resamples):
+        b = sorted(xs[rng.randrange(n)] for _ in range(n))
+        meds.append(b[n // 2] if n % 2 else (b[n // 2 - 1] + b[n // 2]) / 2)
+    meds.sort()
+    return statistics.median(xs), (meds[int(0.025 * (resamples - 1))], meds[int(0.975 * (resamples - 1))])
+
+
+def stratified_overhead_ci(pairs: list[float], rare: list[bool], resamples: int = BOOTSTRAP_RESAMPLES,
+                           seed: int = 0) -> tuple[float, tuple[float, float]] | None:
+    """Amortized overhead from paired block differences ``pairs`` (%), where ``rare[i]`` marks a block that holds
+    a rare, costly event (a full checkpoint): ``(1 - w) * median(common) + w * mean(rare)``, ``w`` = the rare
+    blocks' share. The median keeps a block disturbed by other work from moving the figure; the mean over the
+    rare blocks keeps their cost in it (a plain median would drop it). 95% CI: percentile bootstrap, resampling
+    each stratum on its own (fixed seed). None with fewer than three common blocks."""
+    import random as _random
+    common = [p for p, r in zip(pairs, rare) if not r]
+    hot = [p for p, r in zip(pairs, rare) if r]
+    if len(common) < 3:
+        return None
+    w = len(hot) / len(pairs)
+
+    def stat(c, h):
+        return (1 - w) * statistics.median(c) + (w * sum(h) / len(h) if h else 0.0)
+
+    rng = _random.Random(seed)
+    vals = sorted(stat([common[rng.randrange(len(common))] for _ in common],
+                       [hot[rng.randrange(len(hot))] for _ in hot]) for _ in range(resamples))
+    return stat(common, hot), (vals[int(0.025 * (resamples - 1))], vals[int(0.975 * (resamples - 1))])
 
 
 def ci_verdict(ci, limit: float) -> str:
@@ -56,15 +81,6 @@ def ci_verdict(ci, limit: float) -> str:
     if ci is None:
         return "inconclusive"
     return "met" if ci[1] <= limit else ("missed" if ci[0] > limit else "inconclusive")
-
-
-def verdict(value: float, noise: float, limit: float) -> str:
-    """``met`` when ``value + noise <= limit``, ``missed`` when ``value - noise > limit``, else ``inconclusive``."""
-    if value + noise <= limit:
-        return "met"
-    if value - noise > limit:
-        return "missed"
-    return "inconclusive"
 
 
 def _median(xs):
@@ -120,6 +136,8 @@ def summarize_config(segs: list[dict], cfg=None, settings: dict | None = None) -
            "median_step_s": _median(steps), "mean_step_s": sum(steps) / len(steps) if steps else None,
            "round_means_s": {s["round"]: sum(r["step_s"]) / len(r["step_s"]) for s, r in zip(segs, r0)},
            "round_medians_s": {s["round"]: _median(r["step_s"]) for s, r in zip(segs, r0)},
+           "round_thread_cpu_s": {s["round"]: sum(r["thread_cpu_step_s"]) / len(r["thread_cpu_step_s"])
+                                  for s, r in zip(segs, r0) if r.get("thread_cpu_step_s")},
            "round_cpu_s": {s["round"]: sum(x.get("cpu_s", 0) + x.get("aux_cpu_s", 0) for x in s["ranks"])
                            / len(s["ranks"][0]["step_s"]) for s in segs},
            "drain_s": _median([r.get("drain_s") for r in r0]),
@@ -204,26 +222,22 @@ def build(raw: dict, settings: dict, all_configs) -> dict:
             if ref and ref.get("mean_step_s"):
                 s["overhead_pct"] = 100 * (s["mean_step_s"] / ref["mean_step_s"] - 1)
                 s["overhead_median_pct"] = 100 * (s["median_step_s"] / ref["median_step_s"] - 1)
-                paired = [s["round_means_s"][r] / ref["round_means_s"][r] - 1 for r in s["round_means_s"]
-                          if r in ref["round_means_s"]]
-                s["overhead_paired_rounds_pct"] = [100 * p for p in paired]
-                ci = ci95(s["overhead_paired_rounds_pct"])
-                if ci is not None:
-                    s["overhead_paired_mean_pct"] = sum(s["overhead_paired_rounds_pct"]) / len(paired)
-                    s["overhead_ci95_pct"] = list(ci)
+                # paired rounds: each round's configuration against its reference in the same round; the
+                # estimator is the median over rounds with a bootstrap CI (wall time, all-process CPU, and the
+                # training thread's CPU: the critical path, least disturbed by other work on the machine)
+                for basis, key in (("", "round_means_s"), ("_cpu", "round_cpu_s"),
+                                   ("_thread_cpu", "round_thread_cpu_s")):
+                    mine, theirs = s.get(key) or {}, ref.get(key) or {}
+                    paired = [100 * (mine[r] / theirs[r] - 1) for r in mine if r in theirs and theirs[r]]
+                    s[f"overhead{basis}_paired_rounds_pct"] = paired
+                    if paired:
+                        s[f"overhead{basis}_paired_mean_pct"] = sum(paired) / len(paired)
+                    est = paired_median_ci(paired)
+                    if est is not None:
+                        s[f"overhead{basis}_paired_median_pct"] = est[0]
+                        s[f"overhead{basis}_ci95_pct"] = list(est[1])
                 if ref.get("cpu_per_step_s") and s.get("cpu_per_step_s") is not None:
                     s["overhead_cpu_pct"] = 100 * (s["cpu_per_step_s"] / ref["cpu_per_step_s"] - 1)
-                    s["overhead_cpu_paired_rounds_pct"] = [
-                        100 * (s["round_cpu_s"][r] / ref["round_cpu_s"][r] - 1) for r in s["round_cpu_s"]
-                        if r in ref["round_cpu_s"] and ref["round_cpu_s"][r]]
-                    ci = ci95(s["overhead_cpu_paired_rounds_pct"])
-                    if ci is not None:
-                        s["overhead_cpu_ci95_pct"] = list(ci)
-                # noise: the spread of the round means of this configuration and of its reference
-                s["noise_pct"] = 100 * (_half_range(s["round_means_s"]) ** 2 + _half_range(ref["round_means_s"]) ** 2) ** 0.5
-                s["noise_median_pct"] = 100 * (_half_range(s["round_medians_s"]) ** 2
-                                               + _half_range(ref["round_medians_s"]) ** 2) ** 0.5
-                s["noise_cpu_pct"] = 100 * (_half_range(s["round_cpu_s"]) ** 2 + _half_range(ref["round_cpu_s"]) ** 2) ** 0.5
                 if ref.get("thread_cpu_median_s") and s.get("thread_cpu_median_s") is not None:
                     s["overhead_thread_cpu_pct"] = 100 * (s["thread_cpu_median_s"] / ref["thread_cpu_median_s"] - 1)
             ddp = summ.get(REFERENCE_DDP)
@@ -239,9 +253,6 @@ def build(raw: dict, settings: dict, all_configs) -> dict:
         est = full_cost_estimate(summ, settings)
         if est:
             jobs_out[job]["lowdiff_full_cost_estimate"] = est
-            jobs_out[job]["targets"]["lowdiff_topk_overhead_at_full_every_100_estimate"] = {
-                "value_pct": est["overhead_pct_at"]["100"], "noise_pct": est["noise_pct"],
-                "verdict": verdict(est["overhead_pct_at"]["100"], est["noise_pct"], 2.0)}
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "machine": machine_info(settings.get("device", "auto")), "settings": settings, "jobs": jobs_out,
             "errors": raw["errors"], "wall_s": raw["wall_s"], "raw": {"segments": raw["segments"],
@@ -265,34 +276,38 @@ def full_cost_estimate(summ: dict, settings: dict) -> dict | None:
     f = (ld["mean_step_s"] - nf["mean_step_s"]) * steps  # seconds per full checkpoint (one per window)
     at = {str(F): 100 * (d + f / F) / t for F in (fe, 50, 100)}
     return {"diff_step_overhead_pct": 100 * d / t, "full_cost_s": f, "full_cost_steps": f / t,
-            "overhead_pct_at": at, "noise_pct": nf.get("noise_pct", 0.0)}
+            "overhead_pct_at": at}
 
 
 def targets(summ: dict) -> dict:
-    """The issue's targets on the measured figures. Step-time targets are judged twice, on wall time (mean
-    step) and on CPU per step, each with its noise (the spread of round means of the configuration and its
-    reference): ``met`` / ``missed`` only when the whole noise band is on one side of the limit, else
-    ``inconclusive``."""
+    """The issues' targets on the measured figures, each judged on a 95% confidence interval (median of the
+    paired rounds, bootstrap): ``met`` / ``missed`` only when the whole interval is on one side of the limit, else
+    ``inconclusive`` — never on a point estimate."""
     t = {}
     ld = summ.get("lowdiff_topk")
-    if ld and "overhead_pct" in ld:
-        for basis, key, nkey in (("wall_median_step", "overhead_median_pct", "noise_median_pct"),
-                                 ("wall_mean_step", "overhead_pct", "noise_pct"),
-                                 ("cpu", "overhead_cpu_pct", "noise_cpu_pct")):
-            if ld.get(key) is None:
+    if ld:
+        # issue #14: LowDiff top-k at its default policy <= 1% of step time, judged on the interval's upper bound;
+        # the interval itself no wider than +-0.5% of step time (the harness resolves 1%)
+        for basis, key in (("wall", "overhead"), ("train_thread_cpu", "overhead_thread_cpu"),
+                           ("cpu", "overhead_cpu")):
+            ci = ld.get(f"{key}_ci95_pct")
+            if ci is None:
                 continue
-            v, n = ld[key], ld.get(nkey, 0.0)
-            t[f"lowdiff_topk_overhead_le_2pct_{basis}"] = {"value_pct": v, "noise_pct": n,
-                                                          "verdict": verdict(v, n, 2.0)}
+            t[f"lowdiff_topk_overhead_le_1pct_{basis}_ci95"] = {
+                "median_pct": ld[f"{key}_paired_median_pct"], "ci95_pct": ci, "verdict": ci_verdict(ci, 1.0)}
+            if basis != "cpu":
+                half = (ci[1] - ci[0]) / 2
+                t[f"lowdiff_topk_ci95_halfwidth_le_0.5pct_{basis}"] = {
+                    "halfwidth_pct": half, "rounds": len(ld[f"{key}_paired_rounds_pct"]),
+                    "verdict": "met" if half <= 0.5 else "missed"}
             for other in ("torch_save_1", "dcp_async"):
-                o = summ.get(other)
-                if not o or o.get(key) is None:
+                oci = (summ.get(other) or {}).get(f"{key}_ci95_pct")
+                if oci is None:
                     continue
-                ov, on = o[key], o.get(nkey, 0.0)
-                lo = (ov - on) / max(v + n, 0.1)            # the least favourable reading of both
-                hi = (ov + on) / max(v - n, 0.1)            # the most favourable
+                lo = oci[0] / max(ci[1], 0.1)       # the least favourable reading of both intervals
+                hi = oci[1] / max(ci[0], 0.1)       # the most favourable
                 t[f"10x_less_than_{other}_{basis}"] = {
-                    "baseline_pct": ov, "lowdiff_pct": v, "ratio_low": lo, "ratio_high": hi,
+                    "baseline_ci95_pct": oci, "lowdiff_ci95_pct": ci, "ratio_low": lo, "ratio_high": hi,
                     "verdict": "met" if lo >= 10 else ("missed" if hi < 10 else "inconclusive")}
         if "diff_fraction_of_full" in ld:
             t["bytes_per_step_le_1pct"] = {"diff_only_pct": 100 * ld["diff_fraction_of_full"],
@@ -304,7 +319,7 @@ def targets(summ: dict) -> dict:
         s = summ.get(name)
         if s and s.get("overhead_ci95_pct"):
             t[f"{name}_overhead_le_{limit:.0f}pct_ci95"] = {
-                "mean_pct": s["overhead_paired_mean_pct"], "ci95_pct": s["overhead_ci95_pct"],
+                "median_pct": s["overhead_paired_median_pct"], "ci95_pct": s["overhead_ci95_pct"],
                 "verdict": ci_verdict(s["overhead_ci95_pct"], limit)}
     lr = summ.get("lowdiff_topk_ray")
     rec = (lr or {}).get("recovery") or {}
@@ -331,6 +346,15 @@ def targets(summ: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------------
 def _fmt(x, spec=".1f", none="–"):
     return none if x is None else format(x, spec)
+
+
+def _val(v) -> str:
+    """A target's value for the markdown: floats to 3 significant digits, lists of floats too."""
+    if isinstance(v, float):
+        return _fmt(v, ".3g")
+    if isinstance(v, list) and v and all(isinstance(x, float) for x in v):
+        return "[" + ", ".join(_fmt(x, ".3g") for x in v) + "]"
+    return str(v)
 
 
 def _pct(x):
@@ -371,24 +395,27 @@ def markdown(result: dict, all_configs) -> str:
                   f"Load average during this job: median {_fmt(_median([x.get('loadavg_median') for x in c.values()]), '.1f')} "
                   f"on {m.get('cores')} cores (other work on the machine adds noise to wall times; the CPU columns "
                   "are less sensitive to it).", "",
-                  "| configuration | reference | step ms (median) | overhead (mean step) | per round "
-                  "| 95% CI (paired rounds) | noise ± "
-                  "| overhead (median step) | noise ± | CPU/step overhead | CPU noise ± | train-thread CPU "
-                  "| vs plain DDP | bytes/step | % of full | peak RSS rank 0 | drain s | steps lost |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| configuration | reference | step ms (median) | overhead, wall (median of paired rounds) "
+                  "| 95% CI | train-thread CPU overhead | 95% CI | CPU/step overhead (all processes) | 95% CI "
+                  "| overhead (mean step, all rounds pooled) | vs plain DDP | bytes/step | % of full | peak RSS rank 0 "
+                  "| drain s | steps lost |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, s in c.items():
             lost = s.get("steps_lost")
-            ref_label = labels.get(s['reference'], s['reference']) if s['reference'] != name else '—'
+            own = name == s["reference"]
+            ref_label = labels.get(s['reference'], s['reference']) if not own else '—'
+
+            def ci(key):
+                v = s.get(key)
+                return "–" if own or not v else "[%+.1f, %+.1f]%%" % tuple(v)
+
             lines.append(
                 f"| {labels.get(name, name)} | {ref_label} | {_fmt(s['median_step_s'] * 1e3)} "
-                f"| {_pct(s.get('overhead_pct'))} "
-                f"| {'/'.join(f'{x:+.0f}' for x in s.get('overhead_paired_rounds_pct', [])) if name != s['reference'] else '–'} "
-                f"| {('[%+.1f, %+.1f]%%' % tuple(s['overhead_ci95_pct'])) if s.get('overhead_ci95_pct') and name != s['reference'] else '–'} "
-                f"| {_fmt(s.get('noise_pct'), '.1f')} | {_pct(s.get('overhead_median_pct'))} "
-                f"| {_fmt(s.get('noise_median_pct'), '.1f')} "
-                f"| {_pct(s.get('overhead_cpu_pct'))} | {_fmt(s.get('noise_cpu_pct'), '.1f')} "
-                f"| {_pct(s.get('overhead_thread_cpu_pct'))} "
-                f"| {_pct(s.get('vs_ddp_pct'))} "
+                f"| {'–' if own else _pct(s.get('overhead_paired_median_pct'))} | {ci('overhead_ci95_pct')} "
+                f"| {'–' if own else _pct(s.get('overhead_thread_cpu_paired_median_pct'))} "
+                f"| {ci('overhead_thread_cpu_ci95_pct')} "
+                f"| {'–' if own else _pct(s.get('overhead_cpu_paired_median_pct'))} | {ci('overhead_cpu_ci95_pct')} "
+                f"| {_pct(s.get('overhead_pct'))} | {_pct(s.get('vs_ddp_pct'))} "
                 f"| {_bytes(s.get('bytes_per_step'))} | {_fmt(100 * s['fraction_of_full'] if 'fraction_of_full' in s else None, '.2f')} "
                 f"| {_fmt(s.get('peak_rss_mb'), '.0f')} MB | {_fmt(s.get('drain_s'), '.2f')} "
                 f"| {', '.join(map(str, lost)) if lost else '–'} |")
@@ -414,8 +441,6 @@ def markdown(result: dict, all_configs) -> str:
                              f"controller, at each step end: median {s['uncommitted_lag_median']}, max "
                              f"{s['uncommitted_lag_max']} (a crash loses at least this many; committed only at the "
                              f"next poll); fit() {_fmt(s.get('fit_s'))} s incl. worker start-up")
-            if s.get("overhead_paired_rounds_pct") and len(s["overhead_paired_rounds_pct"]) > 1 and name != s["reference"]:
-                pass
         est = j.get("lowdiff_full_cost_estimate")
         if est:
             at = est["overhead_pct_at"]
@@ -440,21 +465,24 @@ def markdown(result: dict, all_configs) -> str:
         if j["targets"]:
             lines += ["", "Targets:", ""]
             for k, v in j["targets"].items():
-                vals = ", ".join(f"{kk}={_fmt(vv, '.3g') if isinstance(vv, float) else vv}" for kk, vv in v.items()
+                vals = ", ".join(f"{kk}={_val(vv)}" for kk, vv in v.items()
                                  if kk != "verdict")
                 verd = v["verdict"] if v["verdict"] == "met" else f"**{v['verdict']}**"
                 lines.append(f"- {k}: {vals} — {verd}")
     if result["errors"]:
         lines += ["", "## Errors", ""] + [f"- `{json.dumps(e)[:600]}`" for e in result["errors"]]
-    lines += ["", "Definitions: *overhead (mean step)* = mean wall time per step / the reference's - 1 (amortized: "
-                  "periodic saves and spill-over of background work included); *(median step)* = the same with "
-                  "medians (the typical step). *CPU/step* = CPU seconds of every training process (all threads) "
-                  "plus the ray_ckpt actors (runtime='ray'), from the first measured step through the drain, per "
-                  "step, against the reference's. *train-thread CPU* = median CPU time of the training thread per "
-                  "step (work on the critical path). *vs plain DDP* = mean step against DDP without compression "
-                  "or checkpointing. *Bytes/step* = bytes the loop's checkpoints persisted / loop steps. *Steps "
-                  "lost* = step reached when rank 0 was SIGKILLed - step a fresh process restored (0 = nothing "
-                  "committed: start over)."]
+    lines += ["", "Definitions: *overhead, wall* = per round, the configuration's mean wall time per measured step "
+                  "against its reference's mean in the same round, minus 1 (amortized: periodic saves, fulls and "
+                  "spill-over of background work included); the figure is the median over rounds and the *95% CI* "
+                  "its percentile bootstrap (10,000 resamples of the rounds). *Train-thread CPU* = the same with the "
+                  "training thread's CPU time per step (time.thread_time: the critical path, least disturbed by "
+                  "other work on the machine). *CPU/step* = the same with the CPU seconds of every training process "
+                  "(all threads) plus the ray_ckpt actors (runtime='ray'), from the first measured step through the "
+                  "drain. *Overhead (mean step, pooled)* = mean over every measured step of every round against the "
+                  "reference's (no interval). *vs plain DDP* = mean step against DDP without compression or "
+                  "checkpointing. *Bytes/step* = bytes the loop's checkpoints persisted / loop steps. *Steps lost* = "
+                  "step reached when rank 0 was SIGKILLed - step a fresh process restored (0 = nothing committed: "
+                  "start over)."]
     return "\n".join(lines) + "\n"
 
 
@@ -473,23 +501,27 @@ def plot(result: dict, path: str, all_configs) -> None:
         names = [n for n in c if c[n]["reference"] != n]
         y = list(range(len(names)))[::-1]
         ax = axes[row][0]
-        mean = [c[n].get("overhead_pct") or 0.0 for n in names]
+        mean = [c[n].get("overhead_paired_median_pct", c[n].get("overhead_pct")) or 0.0 for n in names]
         colors = ["tab:green" if n.startswith(ours) else ("tab:gray" if n == "topk_none" else "tab:red")
                   for n in names]
-        ax.barh(y, mean, color=colors, alpha=0.75)
-        med = [c[n].get("overhead_median_pct") or 0.0 for n in names]
-        cpu = [c[n].get("overhead_cpu_pct") or 0.0 for n in names]
+        cis = [c[n].get("overhead_ci95_pct") or [m, m] for n, m in zip(names, mean)]
+        ax.barh(y, mean, color=colors, alpha=0.75,
+                xerr=[[m - lo for m, (lo, _) in zip(mean, cis)], [hi - m for m, (_, hi) in zip(mean, cis)]],
+                error_kw={"ecolor": "black", "capsize": 3, "lw": 0.9})
+        med = [c[n].get("overhead_thread_cpu_paired_median_pct") or 0.0 for n in names]
+        cpu = [c[n].get("overhead_cpu_paired_median_pct", c[n].get("overhead_cpu_pct")) or 0.0 for n in names]
         ax.scatter(med, y, color="black", marker="|", s=220, zorder=3)
         ax.scatter(cpu, y, color="tab:blue", marker="D", s=22, zorder=3)
         for yi, v in zip(y, mean):
             ax.annotate(f"{v:+.1f}%", (v, yi), xytext=(6 if v >= 0 else -6, 7), textcoords="offset points",
                         va="center", ha="left" if v >= 0 else "right", fontsize=8)
+        mean = mean + [x for ci in cis for x in ci]   # the axis limits include the intervals
         ax.set_xscale("symlog", linthresh=2.0, linscale=0.6)
         ax.set_yticks(y)
         ax.set_yticklabels([f"{labels.get(n, n)}\nvs {labels.get(c[n]['reference'], c[n]['reference'])}"
                             for n in names], fontsize=8)
         ax.axvline(0, color="black", lw=0.8)
-        ax.axvline(2.0, color="tab:green", ls=":", lw=0.8)
+        ax.axvline(1.0, color="tab:green", ls=":", lw=0.8)
         ax.set_xlabel("overhead vs reference, % (symlog: linear within ±2%)")
         ax.set_title(f"{job}: step-time overhead")
         ax.grid(axis="x", alpha=0.3)
@@ -522,13 +554,13 @@ def plot(result: dict, path: str, all_configs) -> None:
         lo = min(frac + [d for _, d in diff] + [1.0]) / 3 if frac else 0.1
         ax.set_xlim(lo, max(frac + [100.0]) * 15)
 
-    fig.legend(handles=[Patch(color="tab:red", alpha=0.75, label="baseline: mean step (amortized)"),
-                        Patch(color="tab:green", alpha=0.75, label="ray_ckpt: mean step (amortized)"),
+    fig.legend(handles=[Patch(color="tab:red", alpha=0.75, label="baseline: wall overhead (median of paired rounds, 95% CI)"),
+                        Patch(color="tab:green", alpha=0.75, label="ray_ckpt: wall overhead (median of paired rounds, 95% CI)"),
                         Patch(color="tab:gray", alpha=0.75, label="top-k compression itself (vs plain DDP)"),
-                        Line2D([], [], color="black", marker="|", ls="", markersize=12, label="median step"),
+                        Line2D([], [], color="black", marker="|", ls="", markersize=12, label="training-thread CPU"),
                         Line2D([], [], color="tab:blue", marker="D", ls="", markersize=5,
                                label="CPU per step (all processes + ray_ckpt actors)"),
-                        Line2D([], [], color="tab:green", ls=":", label="2% target")],
+                        Line2D([], [], color="tab:green", ls=":", label="1% target")],
                fontsize=8, loc="lower center", bbox_to_anchor=(0.27, 0.0), ncol=3, frameon=False)
     fig.legend(handles=[Patch(color="tab:green", alpha=0.75, label="ray_ckpt (diffs + its periodic fulls)"),
                         Patch(color="tab:red", alpha=0.75, label="baselines"),
