@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
-.PHONY: venv demo test reliability bench bench-quick bench-fast clean
+.PHONY: venv demo test reliability bench bench-quick bench-fast bench-paired bench-scaling clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,14 @@ bench-quick: $(STAMP)
 
 bench-fast: $(STAMP)
 	$(PY) -m benchmarks.run --mode fast
+
+# LowDiff's overhead resolved to ~1% of a step: two replicas in the same processes, alternating blocks (issue #14)
+bench-paired: $(STAMP)
+	$(PY) -m benchmarks.paired
+
+# how the costs grow: 10M/40M/100M parameters at 2 workers, 1/2/4 workers at 10M
+bench-scaling: $(STAMP)
+	$(PY) -m benchmarks.paired --scaling
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -28,9 +28,11 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str) -> "GPTConfig":
-        """``tiny`` (~0.2M params, tests), ``small`` (~3.3M), ``10m`` (~10.9M), ``25m`` (~25.6M)."""
+        """``tiny`` (~0.2M params, tests), ``small`` (~3.3M), ``10m`` (~10.9M), ``25m`` (~25.6M), ``40m``
+        (~38M), ``100m`` (~99M: the benchmarks' scaling rows)."""
         presets = {"tiny": cls(seq=32, d=64, layers=2, heads=2), "small": cls(seq=128, d=256, layers=4, heads=4),
-                   "10m": cls(seq=256, d=384, layers=6, heads=6), "25m": cls(seq=256, d=512, layers=8, heads=8)}
+                   "10m": cls(seq=256, d=384, layers=6, heads=6), "25m": cls(seq=256, d=512, layers=8, heads=8),
+                   "40m": cls(seq=256, d=512, layers=12, heads=8), "100m": cls(seq=256, d=768, layers=14, heads=12)}
         try:
             return presets[name]
         except KeyError:
