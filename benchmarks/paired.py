@@ -93,15 +93,11 @@ def cell_main(rank: int, cell: dict) -> None:
 
 
 def _replica(cell: dict, device, spec: jobs.JobSpec, total: int):
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from benchmarks.worker import make_ddp
     job = jobs.build(spec, device, seed=cell["seed"])
-    ddp = DDP(job.model, bucket_cap_mb=25.0)
-    if cell["hook"] == "topk":
-        from ray_ckpt.compression import TopKState, topk_hook
-        ddp.register_comm_hook(TopKState(ratio=cell["topk_ratio"]), topk_hook)
+    ddp = make_ddp(job.model, device, bucket_cap_mb=25.0, hook=cell["hook"], topk_ratio=cell["topk_ratio"])
     opt = jobs.make_optimizer(job.model, spec.lr, spec.kind)
-    sched = jobs.make_scheduler(opt, total=total)
-    return job, ddp, opt, sched
+    return job, ddp, opt, jobs.make_scheduler(opt, total=total)
 
 
 def _cell(rank: int, cell: dict, out: dict) -> None:
@@ -257,7 +253,7 @@ def markdown(result: dict) -> str:
              "flush(); B = the same without checkpointing; per pair: A / B - 1",
              f"- wall time: {result['wall_s'] / 60:.1f} min", "",
              "| job | params | workers x threads | pairs | ref step ms | wall overhead | 95% CI "
-             "| train-thread CPU overhead | 95% CI | full: snapshot ms / write s / waited s | capture ms/step "
+             "| train-thread CPU overhead | 95% CI | full: snapshot ms / write s / waited s | hooks ms/step "
              "| bytes/step (diffs) "
              "| bytes/step (with fulls) | % of full | restore latest s | bitwise |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -277,12 +273,7 @@ def markdown(result: dict) -> str:
             f"| {report._fmt(100 * c['fraction_of_full'] if c.get('fraction_of_full') else None, '.2f')} "
             f"| {report._fmt(c.get('restore_latest_s'), '.3f')} | {'yes' if c.get('restore_bitwise') else 'NO'} |")
     lines += ["", "Targets (first row):", ""]
-    for k, v in result["targets"].items():
-        vals = ", ".join(f"{kk}={report._val(vv)}" for kk, vv in v.items()
-                         if kk != "verdict")
-        lines.append(f"- {k}: {vals} — {v['verdict'] if v['verdict'] == 'met' else '**%s**' % v['verdict']}")
-    if result["errors"]:
-        lines += ["", "## Errors", ""] + [f"- `{json.dumps(e)[:600]}`" for e in result["errors"]]
+    lines += report.target_lines(result["targets"]) + report.error_lines(result["errors"])
     lines += ["", "Definitions: *overhead* = (1 - w) x median of the paired block differences without a full "
                   "checkpoint + w x their mean over the blocks holding one (w = their share), 95% CI by stratified "
                   "bootstrap (10,000 resamples); *wall* = block wall time incl. A's flush; *train-thread CPU* = "
@@ -316,7 +307,8 @@ def plot(result: dict, path: str) -> None:
         ax.set_title(f"LowDiff overhead ({title}), 95% CI")
         ax.legend(fontsize=8)
     ax = axes[2]
-    ax.plot(x, [(c.get("capture_ms_per_step") or 0) for c in cells], "o-", label="capture ms/step (training thread)")
+    ax.plot(x, [(c.get("capture_ms_per_step") or 0) for c in cells], "o-",
+            label="ms/step in the checkpointer's hooks (training thread)")
     ax.plot(x, [1e3 * (c.get("restore_latest_s") or 0) for c in cells], "s-", label="restore latest, ms")
     ax.plot(x, [(c.get("bytes_per_step") or 0) / 1e6 for c in cells], "^-", label="MB persisted per step")
     ax.set_yscale("log")
@@ -342,27 +334,10 @@ def run_cell(fork, spec: jobs.JobSpec, world: int, args, workdir: str, log) -> t
     procs = [fork.Process(target=cell_main, args=(r, cell)) for r in range(world)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + args.timeout
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if any(p.exitcode not in (None, 0) for p in procs):
-            deadline = min(deadline, time.monotonic() + 20)
-        for p in procs:
-            p.join(0.5)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-    res = []
-    for r in range(world):
-        for name in (f"result_rank{r}.json", f"error_rank{r}.json"):
-            try:
-                with open(os.path.join(d, name)) as f:
-                    res.append(json.load(f))
-                break
-            except OSError:
-                continue
-        else:
-            res.append({"rank": r, "error": "no result (killed or timed out)"})
+    from benchmarks.run import read_json, reap
+    reap(procs, args.timeout)
+    res = [read_json(os.path.join(d, f"result_rank{r}.json")) or read_json(os.path.join(d, f"error_rank{r}.json"))
+           or {"rank": r, "error": "no result (killed or timed out)"} for r in range(world)]
     shutil.rmtree(d, ignore_errors=True)
     errs = [x for x in res if "error" in x]
     if errs:

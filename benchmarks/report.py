@@ -34,22 +34,12 @@ BOOTSTRAP_RESAMPLES = 10000
 def paired_median_ci(xs: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
                      ) -> tuple[float, tuple[float, float]] | None:
     """The median of the paired differences ``xs`` (one per round: the configuration's mean step against its
-    reference's in the same round) and its 95% percentile-bootstrap confidence interval: ``resamples`` resamples
-    of the rounds with replacement (fixed seed: the same data gives the same interval), the 2.5% and 97.5%
-    quantiles of their medians. Robust to a round disturbed by other work on the machine, which moves a mean and
-    a Student-t interval a lot. None with fewer than three rounds (a bootstrap of two is no interval)."""
-    import random as _random
-    xs = sorted(x for x in xs if x is not None)
-    n = len(xs)
-    if n < 3:
-        return None
-    rng = _random.Random(seed)
-    meds = []
-    for _ in range(resamples):
-        b = sorted(xs[rng.randrange(n)] for _ in range(n))
-        meds.append(b[n // 2] if n % 2 else (b[n // 2 - 1] + b[n // 2]) / 2)
-    meds.sort()
-    return statistics.median(xs), (meds[int(0.025 * (resamples - 1))], meds[int(0.975 * (resamples - 1))])
+    reference's in the same round) and its 95% percentile-bootstrap confidence interval (``resamples`` resamples
+    of the rounds, fixed seed): :func:`stratified_overhead_ci` without a rare stratum. Robust to a round
+    disturbed by other work on the machine, which moves a mean and a Student-t interval a lot. None with fewer
+    than three rounds (a bootstrap of two is no interval)."""
+    xs = [x for x in xs if x is not None]
+    return stratified_overhead_ci(xs, [False] * len(xs), resamples, seed)
 
 
 def stratified_overhead_ci(pairs: list[float], rare: list[bool], resamples: int = BOOTSTRAP_RESAMPLES,
@@ -357,6 +347,20 @@ def _val(v) -> str:
     return str(v)
 
 
+def target_lines(targets: dict) -> list[str]:
+    """Markdown bullets of targets: their figures, and the verdict (bold unless met)."""
+    out = []
+    for k, v in targets.items():
+        vals = ", ".join(f"{kk}={_val(vv)}" for kk, vv in v.items() if kk != "verdict")
+        verd = v["verdict"] if v["verdict"] == "met" else f"**{v['verdict']}**"
+        out.append(f"- {k}: {vals} — {verd}")
+    return out
+
+
+def error_lines(errors: list) -> list[str]:
+    return ["", "## Errors", ""] + [f"- `{json.dumps(e)[:600]}`" for e in errors] if errors else []
+
+
 def _pct(x):
     return "–" if x is None else f"{x:+.1f}%"
 
@@ -464,13 +468,8 @@ def markdown(result: dict, all_configs) -> str:
                       "| configuration | what | step | seconds |", "|---|---|---:|---:|"] + rec_rows
         if j["targets"]:
             lines += ["", "Targets:", ""]
-            for k, v in j["targets"].items():
-                vals = ", ".join(f"{kk}={_val(vv)}" for kk, vv in v.items()
-                                 if kk != "verdict")
-                verd = v["verdict"] if v["verdict"] == "met" else f"**{v['verdict']}**"
-                lines.append(f"- {k}: {vals} — {verd}")
-    if result["errors"]:
-        lines += ["", "## Errors", ""] + [f"- `{json.dumps(e)[:600]}`" for e in result["errors"]]
+            lines += target_lines(j["targets"])
+    lines += error_lines(result["errors"])
     lines += ["", "Definitions: *overhead, wall* = per round, the configuration's mean wall time per measured step "
                   "against its reference's mean in the same round, minus 1 (amortized: periodic saves, fulls and "
                   "spill-over of background work included); the figure is the median over rounds and the *95% CI* "

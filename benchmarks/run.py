@@ -126,6 +126,32 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
+def reap(procs, timeout, grace: float = 20.0) -> bool:
+    """Wait for ``procs``; once one fails, give the others ``grace`` seconds (they may wait on it in a
+    collective forever), then end them. False when something had to be killed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+        for p in procs:
+            p.join(0.2)
+    ok = not any(p.is_alive() for p in procs)
+    for p in procs:
+        if p.is_alive():
+            p.kill()  # our own child, by its handle
+            p.join(10)
+    return ok
+
+
+def read_json(path):
+    """The JSON in ``path``, or None when it is missing or unreadable (a process that died before writing)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 # ------------------------------------------------------------------------------------------------------------
 class Orchestrator:
     def __init__(self, args):
@@ -164,40 +190,16 @@ class Orchestrator:
         p.start()
         return p
 
-    def _reap(self, procs, timeout, grace: float = 20.0) -> bool:
-        """Wait for ``procs``; once one fails, give the others ``grace`` seconds (they may wait on it in a
-        collective forever), then end them. False when something had to be killed."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs):
-                deadline = min(deadline, time.monotonic() + grace)
-            for p in procs:
-                p.join(0.2)
-        ok = not any(p.is_alive() for p in procs)
-        for p in procs:
-            if p.is_alive():
-                p.kill()  # our own child, by its handle
-                p.join(10)
-        return ok
-
-    @staticmethod
-    def _read(path):
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
-
     def run_segment(self, job, cfg, rnd, keep: bool = True) -> None:
         # recovery is timed in the first round only (repeated recover_repeats times there)
         seg = self.seg_dict(job, cfg, rnd, measure_recovery=keep and rnd == 0)
         t0 = time.perf_counter()
         load0 = os.getloadavg()[0]
         procs = [self._spawn(worker.segment_main, (r, seg)) for r in range(self.args.world)]
-        finished = self._reap(procs, self.args.segment_timeout)
-        ranks = [self._read(os.path.join(seg["dir"], f"result_rank{r}.json")) for r in range(self.args.world)]
+        finished = reap(procs, self.args.segment_timeout)
+        ranks = [read_json(os.path.join(seg["dir"], f"result_rank{r}.json")) for r in range(self.args.world)]
         if not finished or any(r is None for r in ranks):
-            errs = [self._read(os.path.join(seg["dir"], f"error_rank{r}.json")) for r in range(self.args.world)]
+            errs = [read_json(os.path.join(seg["dir"], f"error_rank{r}.json")) for r in range(self.args.world)]
             err = {"job": job.name, "config": cfg.name, "round": rnd, "timed_out": not finished,
                    "errors": [e for e in errs if e]}
             self.errors.append(err)
@@ -219,9 +221,9 @@ class Orchestrator:
         t0 = time.perf_counter()
         load0 = os.getloadavg()[0]
         p = self._spawn(__import__("benchmarks.raytrain", fromlist=["driver_main"]).driver_main, (seg,))
-        self._reap([p], self.args.segment_timeout * max(1, self.args.rounds))
-        drv = self._read(os.path.join(seg["dir"], "raytrain_driver.json")) or {"error": "driver did not report"}
-        ranks = [self._read(os.path.join(seg["dir"], f"raytrain_rank{r}.json")) for r in range(self.args.world)]
+        reap([p], self.args.segment_timeout * max(1, self.args.rounds))
+        drv = read_json(os.path.join(seg["dir"], "raytrain_driver.json")) or {"error": "driver did not report"}
+        ranks = [read_json(os.path.join(seg["dir"], f"raytrain_rank{r}.json")) for r in range(self.args.world)]
         if drv.get("error") or any(r is None for r in ranks):
             self.errors.append({"job": job.name, "config": "raytrain", "driver": drv})
             self.log(f"  {job.name} Ray Train: FAILED {json.dumps(drv)[:2000]}")
@@ -249,14 +251,14 @@ class Orchestrator:
             if p.is_alive():
                 p.kill()
             p.join(10)
-        reached = self._read(os.path.join(seg["dir"], "reached.json"))
+        reached = read_json(os.path.join(seg["dir"], "reached.json"))
         rec = None
         if reached is not None:
             p = self._spawn(worker.recover_main, (seg,))
-            self._reap([p], a.segment_timeout)
-            rec = self._read(os.path.join(seg["dir"], "recovered.json"))
+            reap([p], a.segment_timeout)
+            rec = read_json(os.path.join(seg["dir"], "recovered.json"))
         if reached is None or rec is None or rec.get("error"):
-            errs = [self._read(os.path.join(seg["dir"], f"error_rank{r}.json")) for r in range(a.world)]
+            errs = [read_json(os.path.join(seg["dir"], f"error_rank{r}.json")) for r in range(a.world)]
             self.errors.append({"job": job.name, "config": cfg.name, "failure_trial": trial, "reached": reached,
                                 "recovered": rec, "errors": [e for e in errs if e]})
             self.log(f"  {job.name} {cfg.name} crash test: FAILED reached={reached} rec={rec} "

@@ -558,15 +558,21 @@ def connect_ray(seg: dict) -> None:
                  configure_logging=False)
 
 
+def make_ddp(model, device, *, bucket_cap_mb: float, hook: str, topk_ratio: float) -> DDP:
+    """``model`` in DDP (the default process group), with the top-k 1% hook when ``hook == "topk"``."""
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb)
+    if hook == "topk":
+        from ray_ckpt.compression import TopKState, topk_hook
+        ddp.register_comm_hook(TopKState(ratio=topk_ratio), topk_hook)
+    return ddp
+
+
 def build_training(ctx: Ctx) -> None:
     seg = ctx.seg
     ctx.job = jobs.build(jobs.JobSpec(**seg["job"]), ctx.device, seed=seg["seed"])
     ctx.model = ctx.job.model
-    ctx.ddp = DDP(ctx.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                  bucket_cap_mb=seg["bucket_cap_mb"])
-    if ctx.cfg.hook == "topk":
-        from ray_ckpt.compression import TopKState, topk_hook
-        ctx.ddp.register_comm_hook(TopKState(ratio=seg["topk_ratio"]), topk_hook)
+    ctx.ddp = make_ddp(ctx.model, ctx.device, bucket_cap_mb=seg["bucket_cap_mb"], hook=ctx.cfg.hook,
+                       topk_ratio=seg["topk_ratio"])
     ctx.opt = jobs.make_optimizer(ctx.model, ctx.job.spec.lr, ctx.job.spec.kind)
     ctx.sched = jobs.make_scheduler(ctx.opt, total=ctx.total_steps)
 
