@@ -402,26 +402,18 @@ class RaySink(BoundedSink):
     def _wait_peers_durable(self) -> None:
         """After a restart of this node's worker: chunks its old incarnation had secured on a peer (and so were
         not resent) are written by that peer (the coordinator asks it); wait until the coordinator's durable
-        lineage reaches the last step handed over *and*, with ``durable_diffs="all"``, no step of the generation
-        is restorable from memory only, so that ``flush`` keeps its promise. (The durable head alone is not
-        enough: a later full makes it reach the last step while a peer's chunk before that full is still being
-        written — a restore from storage alone would miss those steps.)"""
+        lineage reaches the last step handed over, so that ``flush`` keeps its promise."""
         last = self.stats.last_committed_step
         if last is None:
             return
-        every_diff = "durable_diffs" not in self.info
         deadline = time.monotonic() + self.write_timeout
         while True:
-            memory_only = []
             try:
-                st = ray.get(self._coordinator.status.remote(), timeout=30)
-                durable = st.get("durable_step")
-                if every_diff:
-                    memory_only = (st.get("restorable") or {}).get("memory") or []
+                durable = ray.get(self._coordinator.status.remote(), timeout=30).get("durable_step")
             except Exception as e:  # noqa: BLE001 - the coordinator restarts: ask again
                 log.debug("ray_ckpt: coordinator status unavailable: %s", e)
                 durable = None
-            if durable is not None and durable >= last and not memory_only:
+            if durable is not None and durable >= last:
                 return
             if time.monotonic() > deadline:
                 raise WriterError(f"steps up to {last} were not durable within {self.write_timeout} s after the "
