@@ -206,6 +206,31 @@ def test_recycled_capture_buffers_keep_every_step_exact(tmp_path):
         T.assert_same(live[s], T.snapshot(m2, o2), f"step {s}")
 
 
+def test_recycled_full_buffers_keep_every_full_exact(tmp_path):
+    """Full snapshots go into one full's worth of recycled host buffers (the capture's full pool): a buffer is
+    reused only after its full was written, so every full restores bit for bit on its own while the pool is hit
+    and no more than one full's bytes are kept."""
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    uri = str(tmp_path / "ckpt")
+    live = {0: T.snapshot(model, opt)}
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=2, batch_steps=1) as ck:
+        for s in range(12):
+            T.train_step("mlp", model, opt, None, s)
+            live[s + 1] = T.snapshot(model, opt)
+            ck.flush()    # each full written before the next is taken: its buffers go back to the pool
+        pool = ck._capture._copy.full_pool
+        n_tensors = len(model.state_dict()) + sum(len(v) for v in opt.state_dict()["state"].values())
+        assert pool.reused >= 4 * n_tensors, (pool.reused, n_tensors)
+        one_full = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
+            t.numel() * t.element_size() for st in opt.state_dict()["state"].values() for t in st.values())
+        assert pool.free_bytes <= pool.max_bytes <= one_full + 64 * n_tensors
+    for s in range(0, 13, 2):   # each full alone (its diffs are not needed): the restore reads the full itself
+        got, m2, o2, _ = _restore(uri, "mlp", "adamw", s, sched=False)
+        assert got == s
+        T.assert_same(live[s], T.snapshot(m2, o2), f"full of step {s}")
+
+
 def test_fsdp2_sharded_parameters_are_refused_with_a_clear_error():
     """FSDP2 parameters (DTensor shards) are refused at attach and restore, before anything is written (sharded
     state is issue #15; before this check the failure was a WriterError from the writer thread steps later)."""

@@ -190,6 +190,8 @@ class _HostCopier:
     def __init__(self):
         self.cuda_used = False
         self.pool = HostPool()
+        #: the buffers of one full snapshot, kept for the next (sized by the first full: see :meth:`full_copier`)
+        self.full_pool = HostPool(max_bytes=0)
         self._taken: list = []
 
     def pooled(self, t: torch.Tensor) -> torch.Tensor:
@@ -202,6 +204,30 @@ class _HostCopier:
         out.copy_(t)
         self._taken.append(out)
         return out
+
+    def full_copier(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], list]:
+        """``(copy, taken)`` for one full snapshot: ``copy`` puts each CPU tensor into a buffer of
+        :attr:`full_pool` (recorded in ``taken``; other devices go through :meth:`__call__`). A full is the
+        whole state: allocating it afresh costs a page fault per 4 KiB page, measured 0.23-1.2 s on the training
+        thread for the 459 MB of a 38M-parameter model with AdamW against 0.045 s for a copy into buffers already
+        in memory. The sink gives the buffers back once the full is written or held on two nodes
+        (:func:`ray_ckpt.format.records.recycle`); the pool keeps one full's worth (:meth:`keep_full`)."""
+        taken: list = []
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            if t.device.type != "cpu":
+                return self(t)
+            out = self.full_pool.take(t.shape, t.dtype)
+            out.copy_(t)
+            taken.append(out)
+            return out
+        return copy, taken
+
+    def keep_full(self, taken: list) -> None:
+        """Let :attr:`full_pool` keep as many bytes as one full (``taken``) needs (it grows with the state)."""
+        n = sum(t.numel() * t.element_size() for t in taken)
+        self.full_pool.max_bytes = max(self.full_pool.max_bytes, n)
 
     def take_pooled(self):
         """``(pool, buffers)`` taken since the last call, for the record that holds them (or None)."""
@@ -223,16 +249,17 @@ class _HostCopier:
         out.copy_(t, non_blocking=True)
         return out
 
-    def tree(self, x: Any) -> Any:
-        """A host copy of a nested structure (containers copied, tensors copied to host)."""
+    def tree(self, x: Any, copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+        """A host copy of a nested structure (containers copied, tensors copied to host with ``copy``, by
+        default :meth:`__call__`)."""
         if isinstance(x, torch.Tensor):
-            return self(x)
+            return (copy or self)(x)
         if isinstance(x, dict):
-            return {k: self.tree(v) for k, v in x.items()}
+            return {k: self.tree(v, copy) for k, v in x.items()}
         if isinstance(x, list):
-            return [self.tree(v) for v in x]
+            return [self.tree(v, copy) for v in x]
         if isinstance(x, tuple):
-            return tuple(self.tree(v) for v in x)
+            return tuple(self.tree(v, copy) for v in x)
         if isinstance(x, np.ndarray):
             return x.copy()
         return x
@@ -465,11 +492,14 @@ class CaptureBase:
         # step's forward, so take them from the record of `step` (copied right after its optimizer.step())
         t0 = time.perf_counter()
         early = getattr(rec, "buffers", None) or {}
-        model_sd = {k: early[k] if k in early else self._copy(v) for k, v in self.model.state_dict().items()}
-        opt_sd = self._copy.tree(self.optimizer.state_dict())
+        copy, taken = self._copy.full_copier()
+        model_sd = {k: early[k] if k in early else copy(v) for k, v in self.model.state_dict().items()}
+        opt_sd = self._copy.tree(self.optimizer.state_dict(), copy)
+        self._copy.keep_full(taken)
         self.full_snapshots += 1
         self.last_snapshot_seconds = time.perf_counter() - t0  # read by the adaptive policy's cost model
-        return FullState(step=step, model=model_sd, optimizer=opt_sd, loop=loop, layout=self.layout())
+        return FullState(step=step, model=model_sd, optimizer=opt_sd, loop=loop, layout=self.layout(),
+                         pooled=(self._copy.full_pool, taken) if taken else None)
 
     def layout(self) -> dict | None:
         """The optimizer layout recorded with every full (:func:`optimizer_layout`; None when an optimizer

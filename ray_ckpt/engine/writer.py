@@ -223,6 +223,7 @@ class AsyncWriter(BoundedSink):
                 elif isinstance(item, FullState):
                     self._write_batch()
                     self._write_full(item)
+                    rec_fmt.recycle([item])
                     self._release(size)
                 else:  # a strategy's diff record
                     if not self._batch:

@@ -125,6 +125,8 @@ class FullState:
     #: ``{"optimizer_class": "module:QualName", "param_names": [[state-dict keys of optimizer param i], ...],
     #: "device": "cpu" | "cuda" ...}``; None when unknown
     layout: dict | None = None
+    #: ``(pool, tensors)``: the recycled host buffers of a captured full (as :attr:`StepRecord.pooled`)
+    pooled: Any = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

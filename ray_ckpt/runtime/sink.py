@@ -291,7 +291,7 @@ class RaySink(BoundedSink):
                      object=object_key(name), nbytes=n, crc32=crc, strategy=self.impl.name,
                      info={**self.info, **info})
         arrays = _coalesce(bufs)
-        c = _Chunk(m, arrays, sum(s for _, s in items), [] if full else [r for r, _ in items])
+        c = _Chunk(m, arrays, sum(s for _, s in items), [r for r, _ in items])
         self._unsafe[m.name] = c
         self._send(c)
         self.chunks_sent += 1
