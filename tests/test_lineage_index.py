@@ -147,6 +147,58 @@ def test_index_never_hides_newer_objects(tmp_path):
     assert sorted(m.name for m in lin.manifests) == sorted(m.name for m in full_listing.manifests)
 
 
+def test_an_object_committed_behind_the_index_is_never_hidden(tmp_path):
+    """After a persistence worker restarts, its peer writes the chunks it held of it while the run goes on: an
+    index written at a later full may already be past them. The coordinator's index stops its watermarks below
+    objects it knows may still be committed, and a late writer deletes an index that hides its object
+    (the state-tier test with a killed worker lost steps 9-12 to storage-only restores before: CI flake)."""
+    from ray_ckpt.engine.restore import unhide
+    from ray_ckpt.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "s"))
+    before, ms = _run(30, tail=0, full_every=10, batch=4)  # fulls 0, 20 (every 10 at batch 4: 20 only), diffs
+    late = _manifest(1, "diff", 31, 34)        # held by a peer, not committed yet
+    after = [_manifest(1, "diff", 35, 38), _manifest(1, "full", 38, 38)]
+    for m in ms + after:
+        storage.write(m.key, m.to_json())
+    everything = ms + after + [late]
+
+    # 1. the coordinator knows the late object is pending: the index's diff watermark stays below it
+    lineage_index.write_index(storage, ms + after, pending=[late])
+    index = lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY))
+    assert index[1]["g000001-diff"] < late.key and index[1]["g000001-full"] == after[-1].key
+    storage.write(late.key, late.to_json())
+    assert not lineage_index.hides(index, late) and not unhide(storage, late)
+    lin, _ = load_lineage(storage)
+    assert sorted(m.name for m in lin.manifests) == sorted(m.name for m in everything)
+
+    # 2. an index written without that knowledge hides it; the late writer's unhide deletes it
+    storage.delete(late.key)
+    lineage_index.write_index(storage, ms + after)
+    storage.write(late.key, late.to_json())
+    lin, _ = load_lineage(storage)
+    assert late.name not in {m.name for m in lin.manifests}          # what went wrong before
+    assert unhide(storage, late) and not storage.exists(lineage_index.INDEX_KEY)
+    lin, _ = load_lineage(storage)
+    assert sorted(m.name for m in lin.manifests) == sorted(m.name for m in everything)
+
+    # 3. a pending object of an older generation: the index covers that generation, readers list the newer one
+    gen2 = [_manifest(2, "full", 38, 38), _manifest(2, "diff", 39, 42)]
+    for m in gen2:
+        storage.write(m.key, m.to_json())
+    storage.delete(late.key)
+    lineage_index.write_index(storage, ms + after + gen2, pending=[late])
+    index = lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY))
+    assert index[0] == 1 and not lineage_index.hides(index, late)
+    storage.write(late.key, late.to_json())
+    lin, _ = load_lineage(storage)
+    assert sorted(m.name for m in lin.manifests) == sorted(m.name for m in everything + gen2)
+    assert lin.resolve(None).step == 42
+    # an index of generation 2 that does not list the late generation-1 object hides it
+    lineage_index.write_index(storage, ms + after + gen2)
+    assert lineage_index.hides(lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY)), late)
+
+
 def test_missing_or_broken_index_falls_back_to_listing(tmp_path):
     from ray_ckpt.storage import open_storage
 

@@ -96,6 +96,25 @@ def _load_indexed(storage, strict: bool) -> tuple[Lineage, list[str]] | None:
     return lineage, bad
 
 
+def unhide(storage, m: Manifest) -> bool:
+    """After committing ``m`` possibly out of order: delete the lineage index when it would hide ``m`` from
+    readers (:func:`ray_ckpt.lineage.index.hides`); they list every manifest until the next index. Returns
+    whether it deleted it. Any process that commits (the persistence workers, the replica)."""
+    try:
+        index = lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY))
+    except (ObjectNotFound, lineage_index.IndexError_):
+        return False      # readers list every manifest already
+    except StorageError as e:
+        log.warning("ray_ckpt: lineage index unreadable after committing %s (%s); deleting it", m.name, e)
+        index = None
+    if index is not None and not lineage_index.hides(index, m):
+        return False
+    storage.delete(lineage_index.INDEX_KEY)
+    log.info("ray_ckpt: %s was committed behind the lineage index; index deleted (readers list until the next)",
+             m.name)
+    return True
+
+
 def plan_restore(storage, step: int | None, lineage: Lineage | None = None, *, strict: bool = True
                  ) -> tuple[Plan, Lineage, list[str]]:
     """Resolve ``step`` (None = latest) from the lineage (read with the index when there is one). The plan's

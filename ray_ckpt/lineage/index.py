@@ -8,9 +8,20 @@ key it holds (the *watermark*).
 Crash consistency: the index is a cache of committed manifests, written (atomically) only after the manifests
 it lists are committed. A reader loads it, then lists only what is newer than it: the manifests of the index's
 newest generation after each stream's watermark (names sort in step order within a stream) and everything of
-later generations, and reads those. So the index never hides a newer committed object, provided a generation's
-manifests are committed in step order per stream (true of every writer: one writer thread per generation, the
-Ray worker's batches in order). A missing, unreadable, malformed or newer-format index makes readers fall back to
+later generations, and reads those. An object committed *out of order* — one whose key sorts at or below the
+watermark of an index that does not list it, or of an older generation than the index's — would be hidden, and
+those exist: after a persistence worker restarts or a node is lost, a peer writes the replicas it held of the
+lost worker's chunks while the run goes on (a full and an index may already be past them), and the replica's
+fulls interleave with the trainer's after the replica recovered. Two rules keep every commit visible:
+
+* the index writer (the coordinator) never puts a watermark at or above an object it knows may still be
+  committed (``pending`` of :func:`encode_index`), and while such an object belongs to an older generation the
+  index covers that generation only (readers list every later one);
+* a writer that may commit out of order makes the object known to the coordinator before it commits (the
+  worker's ``persist``), and after committing deletes an index that hides it (:func:`hides`;
+  :func:`ray_ckpt.engine.restore.unhide`), so that readers list every manifest until the next index.
+
+A missing, unreadable, malformed or newer-format index makes readers fall back to
 listing every manifest; an index that names an object deleted since (garbage collection) surfaces as a missing
 object on load, and callers then fall back to listing too (:func:`ray_ckpt.engine.restore.resolve_and_load`).
 
@@ -36,14 +47,22 @@ def _stream(m: Manifest) -> str:
     return f"g{m.generation:06d}-{m.kind}"
 
 
-def encode_index(manifests) -> bytes:
-    """The index object for ``manifests`` (every committed one the writer knows of)."""
+def encode_index(manifests, pending=()) -> bytes:
+    """The index object for ``manifests`` (every committed one the writer knows of). ``pending``: objects that
+    may still be committed (held, not durable yet): the index's generation is at most the oldest of theirs
+    (readers list every later generation) and each stream's watermark stays below the first of them, so that a
+    reader lists them once they are committed."""
     ms = sorted(manifests, key=lambda m: m.key)
-    newest = max((m.generation for m in ms), default=0)
+    newest = min([max((m.generation for m in ms), default=0)] + [p.generation for p in pending])
+    cap: dict[str, str] = {}
+    for p in pending:
+        if p.generation == newest and (_stream(p) not in cap or p.key < cap[_stream(p)]):
+            cap[_stream(p)] = p.key
     marks: dict[str, str] = {}
     for m in ms:
-        if m.generation == newest:
-            marks[_stream(m)] = max(marks.get(_stream(m), ""), m.key)
+        s = _stream(m)
+        if m.generation == newest and (s not in cap or m.key < cap[s]):
+            marks[s] = max(marks.get(s, ""), m.key)
     return json.dumps({"format": INDEX_FORMAT, "generation": newest, "watermarks": marks,
                        "manifests": [m.to_dict() for m in ms]}, separators=(",", ":")).encode()
 
@@ -93,10 +112,20 @@ def newer_keys(storage, generation: int, watermarks: dict) -> list[str]:
     return sorted(k for k in set(keys) if k.endswith(layout.MANIFEST_SUFFIX))
 
 
-def write_index(storage, manifests) -> None:
+def write_index(storage, manifests, pending=()) -> None:
     """Roll ``manifests`` (every committed manifest the caller knows) up into the index object. Call after
-    the newest of them is committed, e.g. right after a full's manifest (writer thread, coordinator actor)."""
-    storage.write(INDEX_KEY, encode_index(manifests))
+    the newest of them is committed, e.g. right after a full's manifest (writer thread, coordinator actor).
+    ``pending``: objects that may still be committed (see :func:`encode_index`)."""
+    storage.write(INDEX_KEY, encode_index(manifests, pending))
+
+
+def hides(index: tuple[int, dict, list], m: Manifest) -> bool:
+    """Whether a reader of the decoded ``index`` (:func:`decode_index`) would miss the committed ``m``: the index
+    does not list it and ``m`` is of an older generation, or sorts at or below its stream's watermark."""
+    gen, marks, manifests = index
+    if m.generation > gen or any(x.name == m.name for x in manifests):
+        return False
+    return m.generation < gen or m.key <= marks.get(_stream(m), "")
 
 
 def delete_committed(storage, manifests, missing: tuple = ()) -> None:

@@ -263,7 +263,10 @@ class Coordinator:
                          len(deleted), self.keep_fulls)
         if m.kind == "full":  # [lineage index #14] roll the durable manifests up (after GC: no stale names)
             try:
-                _lineage_index.write_index(self.storage, [e.manifest for e in self.entries.values() if e.durable])
+                # objects still held and not durable may be committed later, some out of order (a peer
+                # persisting a lost worker's chunks): no watermark may pass them
+                _lineage_index.write_index(self.storage, [e.manifest for e in self.entries.values() if e.durable],
+                                           pending=[e.manifest for e in self.entries.values() if not e.durable])
             except Exception as e:  # noqa: BLE001 - a cache: readers fall back to listing
                 log.warning("ray_ckpt coordinator: could not write the lineage index: %s", e)
         _adaptive.observe_manifest_commit(self.tuner, kind=m.kind, first_step=m.first_step,  # [policy #14]

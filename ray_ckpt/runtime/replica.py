@@ -27,6 +27,7 @@ import time
 import numpy as np
 import ray
 
+from ray_ckpt.engine.restore import unhide
 from ray_ckpt.engine.shadow import ShadowError, ShadowState
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format import records as rec_fmt
@@ -237,6 +238,7 @@ class ReplicaActor:
                      info={"computed_on": "replica", "trainer_device": shadow.layout.get("device", "cpu")})
         self.storage.write(m.object, bufs)
         self.storage.write(m.key, m.to_json())
+        unhide(self.storage, m)   # after a fall-back to trainer fulls, this full may come after a later one
         self._stats["fulls_written"] += 1
         self._stats["full_seconds"] += time.perf_counter() - t0
         self._coord().update.remote(self.node_id, [("durable", m.to_json(), [m.name])])

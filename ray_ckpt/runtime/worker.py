@@ -276,14 +276,25 @@ class PersistenceWorker:
             self._cv.notify_all()
 
     def persist(self, names: list[str]) -> list[str]:
-        """Write held objects (replicas of a lost node or worker) to durable storage as they are."""
+        """Write held objects (replicas of a lost node or worker) to durable storage as they are.
+
+        These commits may come after later steps' (the run went on): each object is first made known to the
+        coordinator (one call, so that no lineage index it writes passes it) and, once committed, an index that
+        hides it anyway (written before) is deleted (:func:`ray_ckpt.engine.restore.unhide`)."""
+        from ray_ckpt.engine.restore import unhide
         done = []
         for name in names:
             with self._cv:
                 h = self._held.get(name)
             if h is None or h.durable:
                 continue
+            try:
+                ray.get(self._coord().report.remote(h.manifest.to_json(), self.node_id, [h.ref], False),
+                        timeout=30)
+            except Exception as e:  # noqa: BLE001 - the coordinator restarts: unhide below still holds
+                log.info("ray_ckpt: could not announce %s to the coordinator (%s)", name, e)
             self._commit(h.manifest, as_buffers(ray.get(h.ref)), [name])
+            unhide(self.storage, h.manifest)
             done.append(name)
         return done
 
