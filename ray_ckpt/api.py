@@ -25,6 +25,7 @@ from ray_ckpt.storage.base import ObjectNotFound
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy.adaptive import AdaptivePolicy, make_tuner, publish_report
 from ray_ckpt import storage as _storage
+from ray_ckpt.engine import sharded as _sharded
 
 log = logging.getLogger("ray_ckpt")
 
@@ -69,12 +70,14 @@ class Checkpointer:
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        _check_plain_params(optimizer)
+        shard_spec = _check_params(optimizer)
         strategy = strategy if strategy is not None else LowDiff()
         impl = impl_for(strategy)
         if runtime not in ("local", "ray"):
             raise ValueError(f"runtime must be 'local' (a writer thread in this process) or 'ray' (persistence "
                              f"actors), got {runtime!r}")
+        if shard_spec is not None:
+            _check_sharded_support(runtime, impl)
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng,
                                                memory_budget=memory_budget, keep_fulls=keep_fulls,
@@ -87,6 +90,10 @@ class Checkpointer:
         self.runtime = runtime
         self.strategy = strategy
         self.storage = open_uri(uri, storage_options)
+        self.shard_spec = shard_spec
+        if shard_spec is not None:   # FSDP2: this rank's shard lineage (see ray_ckpt.engine.sharded)
+            _sharded.mark_world(self.storage, shard_spec)
+            self.storage = _sharded.shard_storage(self.storage, shard_spec.world, shard_spec.rank)
         self.uri = self.storage.describe()
         if start_step is None:
             start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)
@@ -106,6 +113,8 @@ class Checkpointer:
                                               scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                                               capture_rng=self.config.capture_rng, fingerprint_every=fp_every)
             self._capture._copy.pool.max_bytes = self.config.max_pending_bytes
+            if shard_spec is not None:
+                self._capture.sharding = _sharded.sharding_info(shard_spec)
         except BaseException:      # bad arguments found late: nothing stays held (writer thread, lease)
             if self._writer is not None:
                 self._writer.close()
@@ -282,9 +291,19 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     t0 = time.perf_counter()
     model = _unwrap(model)
     check_not_attached(optimizer)
-    _check_plain_params(optimizer)
+    shard_spec = _check_params(optimizer)
     uri, step = _from_pointer(uri, step)
     storage = open_uri(uri, storage_options)
+    if shard_spec is not None:
+        if runtime != "local":
+            raise NotImplementedError("sharded (FSDP2) state restores with runtime='local' (from storage); "
+                                      "runtime='ray' is not supported for it yet")
+        out = _sharded.restore_sharded(storage, model, optimizer, shard_spec, step=step, scheduler=scheduler,
+                                       scaler=scaler, extra_state=extra_state, fallback=fallback,
+                                       restore_rng=restore_rng)
+        log.info("ray_ckpt: restored step %d (sharded) from %s in %.3f s", out, storage.describe(),
+                 time.perf_counter() - t0)
+        return out
     chain = None
     if runtime == "ray":
         from ray_ckpt.runtime.client import load_via_coordinator
@@ -377,19 +396,31 @@ def load_export(path: str | os.PathLike) -> dict:
     return _load(path)
 
 
-def _check_plain_params(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse, at attach/restore, parameters that are tensor subclasses (FSDP2's DTensor shards): ray_ckpt
-    checkpoints whole, replicated state (every rank holds all of it, as with DDP); sharded state would fail
-    later, in a background thread, with a less clear error. Training process."""
+def _check_params(optimizer: torch.optim.Optimizer) -> "_sharded.ShardSpec | None":
+    """The sharding of the optimizer's parameters (FSDP2 DTensor shards), None for plain tensors (replicated
+    state, as with DDP); refuses, at attach/restore, other tensor subclasses and unsupported sharding, which
+    would fail later in a background thread with a less clear error. Training process."""
+    spec = _sharded.spec_of(optimizer)
+    if spec is not None:
+        return spec
     for group in optimizer.param_groups:
         for p in group["params"]:
             kind = type(p.data)
             if kind is not torch.Tensor:
-                hint = (" (FSDP2 / fully_shard parameters are DTensor shards: sharded training state is not "
-                        "supported yet; checkpoint a DDP or single-process model, or use PyTorch DCP for FSDP2)"
-                        if "DTensor" in kind.__name__ else "")
-                raise NotImplementedError(f"ray_ckpt checkpoints parameters that are plain torch.Tensors; this "
-                                          f"optimizer holds a {kind.__module__}.{kind.__name__}{hint}")
+                raise NotImplementedError(f"ray_ckpt checkpoints parameters that are plain torch.Tensors or "
+                                          f"FSDP2 DTensor shards; this optimizer holds a "
+                                          f"{kind.__module__}.{kind.__name__}")
+    return None
+
+
+def _check_sharded_support(runtime: str, impl) -> None:
+    """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards) with runtime='local'."""
+    if runtime != "local":
+        raise NotImplementedError("sharded (FSDP2) state is checkpointed with runtime='local' (each rank writes "
+                                  "its shard lineage from a thread); runtime='ray' is not supported for it yet")
+    if impl.name != "lowdiff":
+        raise NotImplementedError(f"sharded (FSDP2) state is checkpointed with LowDiff; {impl.name!r} is not "
+                                  f"supported for it yet")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -197,7 +197,7 @@ class _HostCopier:
     def pooled(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of the CPU tensor ``t`` in a pooled buffer (remembered for :meth:`take_pooled`); other
         devices go through :meth:`__call__` (the pinned-memory allocator of CUDA caches its blocks itself)."""
-        t = t.detach()
+        t = _local(t.detach())
         if t.device.type != "cpu":
             return self(t)
         out = self.pool.take(t.shape, t.dtype)
@@ -215,7 +215,7 @@ class _HostCopier:
         taken: list = []
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach()
+            t = _local(t.detach())
             if t.device.type != "cpu":
                 return self(t)
             out = self.full_pool.take(t.shape, t.dtype)
@@ -238,8 +238,9 @@ class _HostCopier:
 
     def __call__(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         """A host copy of ``t``; ``fresh=True`` says ``t`` is a new tensor nobody else holds (e.g. the result of
-        an ``index_select``): a CPU one is then taken as is, without a second copy."""
-        t = t.detach()
+        an ``index_select``): a CPU one is then taken as is, without a second copy. A DTensor (FSDP2) is copied
+        as its local shard."""
+        t = _local(t.detach())
         if t.device.type == "cpu":
             if fresh and t.is_contiguous():
                 return t
@@ -271,6 +272,14 @@ class _HostCopier:
         ev = torch.cuda.Event()
         ev.record()
         return ev
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), any other tensor as is (see :mod:`ray_ckpt.engine.sharded`)."""
+    if type(t) is torch.Tensor:
+        return t
+    from ray_ckpt.engine.sharded import local
+    return local(t)
 
 
 def rng_state() -> dict:
@@ -366,6 +375,8 @@ class CaptureBase:
         self.full_snapshots = 0           # fulls snapshotted on the training thread (attach included)
         self.fingerprint_every = fingerprint_every
         self._layout: dict | None | bool = False   # False: not computed yet
+        #: FSDP2: this rank's shard (:func:`ray_ckpt.engine.sharded.sharding_info`), recorded in every full's layout
+        self.sharding: dict | None = None
         self._full_control = getattr(sink, "full_control", None)
         self.last_snapshot_seconds: float | None = None  # training-thread time of the latest full snapshot
         self._handles = [optimizer.register_step_pre_hook(self._pre_hook),
@@ -509,6 +520,10 @@ class CaptureBase:
                 self._layout = optimizer_layout(self.model, self.optimizer)
             except ShadowError:
                 self._layout = None
+            if self.sharding is not None:
+                if self._layout is None:
+                    raise ShadowError("sharded state needs the optimizer's parameters to be the model's")
+                self._layout["sharding"] = self.sharding
         return self._layout
 
     def _attach_loop(self) -> dict:
@@ -569,7 +584,8 @@ class LowDiffCapture(CaptureBase):
                 vals = g.reshape(-1).index_select(0, idx)
                 grads.append(GradEntry(tuple(p.shape), self._copy(vals, fresh=True), self._copy(idx, fresh=True)))
             else:
-                grads.append(GradEntry(tuple(p.shape), self._copy.pooled(g)))
+                g = _local(g)      # FSDP2: the gradient shard this rank's optimizer step consumes
+                grads.append(GradEntry(tuple(g.shape), self._copy.pooled(g)))
         self._consumed = (grads, group_values(optimizer, self._copy.tree))
 
     def _make_record(self, step: int, loop: dict, buffers: dict) -> StepRecord:

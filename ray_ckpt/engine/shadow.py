@@ -66,14 +66,16 @@ def _import_class(path: str):
     return obj
 
 
-def rebuild(full: FullState) -> tuple[_TensorModule, torch.optim.Optimizer, list[torch.nn.Parameter]]:
-    """Model (a :class:`_TensorModule` keyed by state-dict names) and optimizer over CPU copies of ``full``'s
-    tensors, loaded with :func:`load_full`, without the user's code: from :attr:`FullState.layout`. Returns the
-    optimizer's parameters too (in ``param_groups`` order). Used by the shadow and by offline export."""
+def rebuild(full: FullState, device: torch.device | str = "cpu"
+            ) -> tuple[_TensorModule, torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """Model (a :class:`_TensorModule` keyed by state-dict names) and optimizer over copies of ``full``'s
+    tensors on ``device``, loaded with :func:`load_full`, without the user's code: from :attr:`FullState.layout`.
+    Returns the optimizer's parameters too (in ``param_groups`` order). Used by the shadow, offline export and
+    sharded restores (:mod:`ray_ckpt.engine.sharded`, on the training device)."""
     if full.layout is None:
         raise ShadowError("the full checkpoint has no layout (taken by an older ray_ckpt)")
     cls = _import_class(full.layout["optimizer_class"])
-    tensors = {k: v.detach().to("cpu").clone() for k, v in full.model.items()}
+    tensors = {k: v.detach().to(device).clone() for k, v in full.model.items()}
     params: list[torch.nn.Parameter] = []
     param_keys: set[str] = set()
     for names in full.layout["param_names"]:

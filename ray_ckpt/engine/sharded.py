@@ -1,0 +1,301 @@
+"""Sharded training state (FSDP2): every rank checkpoints its own shard; restores at any world size.
+
+With ``torch.distributed.fsdp.fully_shard`` the parameters are DTensors sharded along one dimension over a 1-D
+device mesh (``Shard(d)``; the chunks of ``torch.chunk``), and so are the optimizer's per-parameter state
+tensors. Replicated state is the special case of one shard: nothing here is a second engine. Each rank runs the
+ordinary LowDiff machinery on its *local* tensors (the capture copies ``to_local()`` views: the gradient shard its
+optimizer step consumes, its parameter and optimizer-state shards for fulls) into its own lineage::
+
+    <root>/shards/world-00002.json          marker of a world size (what restores look for)
+    <root>/shards/w00002/r00000/...         rank 0's lineage (manifests, objects, lease, index) at world size 2
+    <root>/shards/w00002/r00001/...         rank 1's
+
+Every full records the sharding (:func:`sharding_info`: world size, rank, each parameter's global shape and
+shard dimension) in its layout.
+
+**A step is recoverable only when every rank's shard of it is** (:func:`agreed_step`): a restore takes the newest
+step that each shard lineage of one world size restores exactly, never mixing steps across ranks.
+
+**Restore** (:func:`restore_sharded`, each rank of the new world, no collectives): the shard chains are replayed
+on plain tensors of the training device with the same replay code as every restore
+(:func:`ray_ckpt.engine.shadow.rebuild` + :func:`ray_ckpt.engine.restore.replay`; on CPU this is bitwise the
+FSDP2 optimizer step, element-wise on the same local values). At the saved world size a rank replays its own
+shard; at another world size it replays every saved shard, concatenates them to the global tensors and takes
+its new chunk (each new rank reads all saved shards: simple, and the cost of resharding). The result is loaded
+into the live DTensors' local shards and the optimizer. Loop state (param groups, scheduler, RNG, extra state) is
+the rank's own when the saved world had that rank, else rank 0's with RNG streams derived from it and the rank
+(:func:`ray_ckpt.engine.rankloop.derive_rng`).
+
+Supported: 1-D meshes, ``Shard(d)`` placements, optimizers whose state tensors have their parameter's shape or
+are scalars (SGD, Adam, AdamW, ...), ``runtime="local"``. Where calls run: the training process of each rank.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ray_ckpt.engine.capture import RESTORED_STEP_ATTR, ShadowError
+from ray_ckpt.engine.restore import apply_loop, check_not_attached, load_lineage, replay, resolve_and_load
+from ray_ckpt.lineage import Lineage, NoCheckpointError
+from ray_ckpt.storage.prefixed import PrefixedStorage
+
+log = logging.getLogger("ray_ckpt")
+
+SHARDS_DIR = "shards/"
+_MARKER_RE = re.compile(r"^world-(\d{5})\.json$")
+
+
+def is_dtensor(t: Any) -> bool:
+    # a plain tensor (the hot path: every captured gradient) never needs the import
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view of its storage); any other tensor as is."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How this rank's optimizer parameters are sharded: ``world`` ranks on a 1-D mesh, this is ``rank``;
+    per optimizer parameter (param_groups order) its global shape and shard dimension."""
+
+    world: int
+    rank: int
+    shapes: tuple[tuple[int, ...], ...]
+    dims: tuple[int, ...]
+
+
+def spec_of(optimizer: torch.optim.Optimizer) -> ShardSpec | None:
+    """The sharding of ``optimizer``'s parameters; None when none is a DTensor (replicated state). Raises
+    NotImplementedError for what is not supported (a 2-D mesh such as HSDP, a placement other than
+    ``Shard(d)``, parameters on different meshes, or plain parameters mixed with DTensors)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    kinds = [is_dtensor(p) for p in params]
+    if not any(kinds):
+        return None
+    if not all(kinds):
+        raise NotImplementedError("ray_ckpt: this optimizer mixes DTensor (FSDP2) parameters with plain ones; "
+                                  "shard every parameter (fully_shard the root module) or none")
+    from torch.distributed.tensor import Shard
+    mesh = params[0].device_mesh
+    shapes, dims = [], []
+    for i, p in enumerate(params):
+        if p.device_mesh != mesh:
+            raise NotImplementedError(f"ray_ckpt: optimizer parameter {i} lives on another device mesh than "
+                                      f"parameter 0; sharded state needs one mesh")
+        if mesh.ndim != 1 or len(p.placements) != 1 or not isinstance(p.placements[0], Shard):
+            raise NotImplementedError(f"ray_ckpt: sharded state supports 1-D meshes with Shard(d) placements "
+                                      f"(FSDP2's fully_shard); parameter {i} has {tuple(p.placements)} on a "
+                                      f"{mesh.ndim}-D mesh (HSDP / tensor parallelism are not supported yet)")
+        shapes.append(tuple(p.shape))
+        dims.append(p.placements[0].dim)
+    return ShardSpec(world=mesh.size(), rank=mesh.get_local_rank(), shapes=tuple(shapes), dims=tuple(dims))
+
+
+def sharding_info(spec: ShardSpec) -> dict:
+    """What each full of a shard lineage records about the sharding (JSON)."""
+    return {"world": spec.world, "rank": spec.rank, "shapes": [list(s) for s in spec.shapes],
+            "dims": list(spec.dims)}
+
+
+def shard_storage(storage, world: int, rank: int) -> PrefixedStorage:
+    """The view of ``storage`` holding rank ``rank``'s shard lineage at world size ``world``."""
+    if not (isinstance(world, int) and isinstance(rank, int) and 0 <= rank < world):
+        raise ValueError(f"bad shard {rank} of world {world}")
+    return PrefixedStorage(storage, f"{SHARDS_DIR}w{world:05d}/r{rank:05d}/")
+
+
+def mark_world(storage, spec: ShardSpec) -> None:
+    """Record that shard lineages of ``spec.world`` ranks exist (each rank writes the same marker at attach)."""
+    body = {"world": spec.world, "shapes": [list(s) for s in spec.shapes], "dims": list(spec.dims)}
+    storage.write(f"{SHARDS_DIR}world-{spec.world:05d}.json", json.dumps(body).encode())
+
+
+def saved_worlds(storage) -> list[int]:
+    """World sizes that have shard lineages under ``storage``, ascending."""
+    out = []
+    for key in storage.list(f"{SHARDS_DIR}world-"):
+        m = _MARKER_RE.match(key[len(SHARDS_DIR):])
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(set(out))
+
+
+def timeline_steps(lineage: Lineage) -> set[int]:
+    """Every step :meth:`Lineage.resolve` restores exactly: the newest generation that started at or before a
+    step decides it."""
+    out: set[int] = set()
+    below = None   # the steps at or above this are decided by a newer generation
+    for gen in sorted(lineage.generations, reverse=True):
+        start = lineage.start_of(gen)
+        if start is None:
+            continue
+        out.update(s for s in lineage.reachable_steps(gen) if s >= start and (below is None or s < below))
+        below = start if below is None else min(below, start)
+    return out
+
+
+def agreed_step(lineages: list[Lineage], step: int | None) -> int | None:
+    """The newest step (``step`` itself when given) that every shard lineage restores exactly; None if none."""
+    common: set[int] | None = None
+    for lin in lineages:
+        steps = timeline_steps(lin)
+        common = steps if common is None else common & steps
+        if not common:
+            return None
+    if step is not None:
+        return step if step in common else None
+    return max(common)
+
+
+def _shard_lineages(storage, world: int, strict: bool) -> list[Lineage]:
+    return [load_lineage(shard_storage(storage, world, r), strict=strict)[0] for r in range(world)]
+
+
+def choose_world(storage, step: int | None, *, strict: bool = True) -> tuple[int, int]:
+    """``(world, step)``: the saved world size and the step a restore of ``step`` (None = latest) reads: the
+    newest step complete on every rank of one world size (for a tie, the larger world's marker is newer only by
+    chance: the one with the newest manifest wins). Raises NoCheckpointError."""
+    best = None
+    for world in saved_worlds(storage):
+        lins = _shard_lineages(storage, world, strict)
+        s = agreed_step(lins, step)
+        if s is None:
+            continue
+        newest = max((m.created for lin in lins for m in lin.manifests), default=0.0)
+        if best is None or (s, newest) > (best[1], best[2]):
+            best = (world, s, newest)
+    if best is None:
+        what = "any step" if step is None else f"step {step}"
+        raise NoCheckpointError(f"no sharded checkpoint under {storage.describe()} holds {what} on every rank "
+                                f"(saved world sizes: {saved_worlds(storage) or 'none'})")
+    return best[0], best[1]
+
+
+@dataclass
+class _Replayed:
+    """One saved shard at the restored step: tensors by state-dict name, optimizer state dict, loop state."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict
+    loop: dict
+    sharding: dict
+
+
+def _replay_shard(storage, world: int, rank: int, step: int, device: torch.device, fallback: bool) -> _Replayed:
+    from ray_ckpt.engine.shadow import rebuild
+    chain = resolve_and_load(shard_storage(storage, world, rank), step, fallback=fallback)
+    if chain.step != step:
+        raise NoCheckpointError(f"rank {rank} of world {world} restores step {chain.step}, not {step}")
+    layout = chain.full.layout or {}
+    sharding = layout.get("sharding")
+    if sharding is None or sharding.get("world") != world or sharding.get("rank") != rank:
+        raise ShadowError(f"the full of rank {rank} (world {world}) does not describe that shard: {sharding}")
+    model, optimizer, _ = rebuild(chain.full, device=device)
+    strategies = {m.strategy for m in chain.plan.diffs}
+    loop = replay(strategies.pop() if strategies else "lowdiff", chain.records, model, optimizer,
+                  chain.full.step, chain.full.loop)
+    return _Replayed(model.state_dict(), optimizer.state_dict(), loop, sharding)
+
+
+def _chunk(t: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s chunk of ``t`` along ``dim`` as ``Shard(dim)`` places it (``torch.chunk``; ranks past the
+    last chunk get an empty one)."""
+    parts = torch.chunk(t, world, dim=dim)
+    if rank < len(parts):
+        return parts[rank]
+    return t.narrow(dim, t.shape[dim], 0) if t.shape[dim] else t.narrow(dim, 0, 0)
+
+
+def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: ShardSpec, *,
+                    step: int | None = None, scheduler: Any = None, scaler: Any = None, extra_state: Any = None,
+                    fallback: bool = False, restore_rng: bool = True) -> int:
+    """Restore this rank's shards of ``model``/``optimizer`` (FSDP2) to ``step`` (None = latest step complete on
+    every saved rank), from the saved world size that holds it, resharding when it differs from ``spec.world``.
+    Returns the step. Training process of each rank; no collectives (every rank decides from storage alone)."""
+    check_not_attached(optimizer)
+    world, step = choose_world(storage, step, strict=not fallback)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    sources = [spec.rank] if world == spec.world else list(range(world))
+    shards = {r: _replay_shard(storage, world, r, step, device, fallback) for r in sources}
+    first = shards[sources[0]]
+    if [tuple(s) for s in first.sharding["shapes"]] != list(spec.shapes) or \
+            list(first.sharding["dims"]) != list(spec.dims):
+        raise ValueError("the saved sharded state does not match this model: parameter shapes or shard dimensions "
+                         "differ (restore into the same model and optimizer layout)")
+
+    def mine(tensors_of, dim: int) -> torch.Tensor:
+        if world == spec.world:
+            return tensors_of(shards[spec.rank])
+        full = torch.cat([tensors_of(shards[r]) for r in range(world)], dim=dim)
+        return _chunk(full, dim, spec.world, spec.rank)
+
+    # the model: parameters (their local shards) and buffers (replicated: rank 0's, or this rank's)
+    dim_of = {id(p): d for p, d in zip(params, spec.dims)}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) not in dim_of:
+                raise ValueError(f"model parameter {name!r} is not an optimizer parameter: it cannot be restored "
+                                 f"from a sharded checkpoint")
+            value = mine(lambda s, n=name: s.model[n], dim_of[id(p)])
+            dst = local(p)
+            if tuple(dst.shape) != tuple(value.shape):
+                raise ValueError(f"parameter {name!r}: this rank holds a {tuple(dst.shape)} shard, the saved state "
+                                 f"gives {tuple(value.shape)} (not torch.chunk placement?)")
+            dst.copy_(value)
+        own = shards.get(spec.rank, first)
+        for name, b in model.named_buffers():
+            if name in own.model:
+                b.copy_(own.model[name])
+    # the optimizer: every state tensor of a parameter's shape is resharded like it; scalars are rank 0's
+    sd_first = first.optimizer
+    state: dict = {}
+    for i, p in enumerate(params):
+        st = sd_first["state"].get(i)
+        if st is None:
+            continue
+        out = {}
+        for key, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                value = mine(lambda s, i=i, k=key: s.optimizer["state"][i][k], spec.dims[i])
+                if tuple(value.shape) != tuple(local(p).shape):
+                    raise ValueError(f"optimizer state {key!r} of parameter {i} has shape {tuple(value.shape)} "
+                                     f"where the parameter's shard is {tuple(local(p).shape)}: only state of the "
+                                     f"parameter's shape can be resharded")
+                out[key] = _as_like(value, p)
+            else:
+                out[key] = v
+        state[i] = out
+    optimizer.load_state_dict({"state": state, "param_groups": sd_first["param_groups"]})
+    own = shards.get(spec.rank)
+    loop = own.loop if own is not None else first.loop
+    apply_loop(loop, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
+               restore_rng=restore_rng)
+    if own is None and restore_rng:
+        from ray_ckpt.engine.rankloop import derive_rng
+        derive_rng(spec.rank)   # a rank the saved world did not have: streams of its own, reproducible
+    setattr(optimizer, RESTORED_STEP_ATTR, step)
+    log.info("ray_ckpt: rank %d of %d restored step %d from %d saved shard(s) of world size %d", spec.rank,
+             spec.world, step, len(sources), world)
+    return step
+
+
+def _as_like(value: torch.Tensor, p) -> Any:
+    """``value`` (a local shard) as a DTensor placed like parameter ``p``."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(value.to(local(p).device).contiguous(), p.device_mesh, p.placements,
+                              run_check=False, shape=p.shape, stride=p.stride())
+

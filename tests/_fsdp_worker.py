@@ -1,0 +1,154 @@
+"""Worker bodies for the FSDP2 (sharded state) tests: gloo processes spawned by tests/test_sharded.py; an assert
+fails the process and so the test. References are written to the test's folder as torch.save files."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import ray_ckpt
+from tests import _training as T
+
+KIND = "gpt"          # TinyGPT: embeddings, attention blocks, LayerNorm, LM head (uneven shards at 3 ranks)
+STEPS = 20
+FULL_EVERY = 6
+BATCH = 4
+CHECK = [0, 5, 6, 13, 18, 20]
+RESUME_AT = 13
+
+
+def fsdp_model(seed: int):
+    from torch.distributed.fsdp import fully_shard
+    model = T.make_model(KIND, seed)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = T.make_optimizer("adamw", model)
+    return model, opt, T.make_scheduler(opt, total=STEPS)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_snapshot(model, opt, sch) -> dict:
+    """This rank's shards of everything a restore must reproduce (deep copies)."""
+    osd = opt.state_dict()
+    return {"model": {k: _local(v).detach().clone() for k, v in model.state_dict().items()},
+            "opt": {"state": {i: {k: _local(v).clone() for k, v in st.items()} for i, st in osd["state"].items()},
+                    "param_groups": [dict(g) for g in osd["param_groups"]]},
+            "sched": sch.state_dict()}
+
+
+def global_snapshot(model, opt) -> dict:
+    """The gathered global state (a collective: every rank calls it)."""
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+    osd = opt.state_dict()
+    return {"model": {k: full(v).detach() for k, v in model.state_dict().items()},
+            "opt": {i: {k: full(v) for k, v in st.items()} for i, st in osd["state"].items()}}
+
+
+def _init(rank, world, port):
+    T.init_dist(rank, world, port)
+
+
+def train_and_restore(rank, world, port, uri, out):
+    """World 2: train STEPS steps with a Checkpointer on every rank; restore each CHECK step into fresh FSDP2
+    objects (bitwise against this rank's live shards); resume from RESUME_AT with a new Checkpointer attached,
+    train to the end and check the continuation and the new generation's latest step."""
+    _init(rank, world, port)
+    try:
+        model, opt, sch = fsdp_model(0)
+        ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
+                                   policy="fixed")
+        assert ck.shard_spec is not None and ck.shard_spec.world == world
+        local = {0: local_snapshot(model, opt, sch)}
+        glob = {0: global_snapshot(model, opt)}
+        for s in range(STEPS):
+            T.train_step(KIND, model, opt, sch, s, rank)
+            local[s + 1] = local_snapshot(model, opt, sch)
+            glob[s + 1] = global_snapshot(model, opt)
+        ck.close()
+        torch.save(local, os.path.join(out, f"local-{rank}.pt"))
+        if rank == 0:
+            torch.save(glob, os.path.join(out, "global.pt"))
+        dist.barrier()
+        for s in CHECK:
+            m2, o2, s2 = fsdp_model(99)
+            assert ray_ckpt.restore(uri, m2, o2, scheduler=s2, step=s) == s
+            T.assert_same(local[s], local_snapshot(m2, o2, s2), f"rank {rank} step {s}")
+        m2, o2, s2 = fsdp_model(42)
+        assert ray_ckpt.restore(uri, m2, o2, scheduler=s2) == STEPS   # latest
+        T.assert_same(local[STEPS], local_snapshot(m2, o2, s2), f"rank {rank} latest")
+        # continuation: restore RESUME_AT, attach again (a new generation of every shard lineage), train on
+        m3, o3, s3 = fsdp_model(7)
+        assert ray_ckpt.restore(uri, m3, o3, scheduler=s3, step=RESUME_AT) == RESUME_AT
+        with ray_ckpt.Checkpointer(uri, m3, o3, scheduler=s3, full_every=FULL_EVERY, batch_steps=BATCH,
+                                   policy="fixed"):
+            for s in range(RESUME_AT, STEPS):
+                T.train_step(KIND, m3, o3, s3, s, rank)
+        T.assert_same(local[STEPS], local_snapshot(m3, o3, s3), f"rank {rank} continued from {RESUME_AT}")
+        m4, o4, s4 = fsdp_model(5)
+        assert ray_ckpt.restore(uri, m4, o4, scheduler=s4) == STEPS
+        T.assert_same(local[STEPS], local_snapshot(m4, o4, s4), f"rank {rank} latest after the continuation")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def restore_at_world(rank, world, port, uri, out, steps):
+    """Another world size: restore each of ``steps`` and compare the gathered global state with the saved
+    world's, bitwise; then the latest step."""
+    _init(rank, world, port)
+    try:
+        glob = torch.load(os.path.join(out, "global.pt"), weights_only=False)
+        for s in list(steps) + [None]:
+            m2, o2, s2 = fsdp_model(99)
+            got = ray_ckpt.restore(uri, m2, o2, scheduler=s2, step=s)
+            assert got == (STEPS if s is None else s), (got, s)
+            g = global_snapshot(m2, o2)
+            T.assert_same(glob[got], g, f"world {world} rank {rank} step {got}")
+            assert s2.state_dict()["last_epoch"] == got
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def missing_shard(rank, world, port, uri, out, expect):
+    """A lineage where rank 1 lacks its newest diff: the latest step restored is the newest every rank holds,
+    and the step only rank 0 holds is refused."""
+    _init(rank, world, port)
+    try:
+        local = torch.load(os.path.join(out, f"local-{rank}.pt"), weights_only=False)
+        m2, o2, s2 = fsdp_model(99)
+        assert ray_ckpt.restore(uri, m2, o2, scheduler=s2) == expect
+        T.assert_same(local[expect], local_snapshot(m2, o2, s2), f"rank {rank} step {expect}")
+        m3, o3, s3 = fsdp_model(98)
+        try:
+            ray_ckpt.restore(uri, m3, o3, scheduler=s3, step=STEPS)
+        except ray_ckpt.NoCheckpointError as e:
+            assert "every rank" in str(e), e
+        else:
+            raise AssertionError(f"step {STEPS} restored although rank 1 does not hold it")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def refused(rank, world, port, uri, out):
+    """What sharded state does not support yet is refused at attach, before anything is written."""
+    _init(rank, world, port)
+    try:
+        model, opt, sch = fsdp_model(0)
+        for kwargs, words in (({"runtime": "ray"}, "runtime='ray'"), ({"strategy": ray_ckpt.Amber()}, "amber")):
+            try:
+                ray_ckpt.Checkpointer(uri, model, opt, **kwargs)
+            except NotImplementedError as e:
+                assert words in str(e) and "FSDP2" in str(e), e
+            else:
+                raise AssertionError(f"{kwargs} accepted for sharded state")
+        assert not os.path.exists(uri) or not os.listdir(uri), os.listdir(uri)
+    finally:
+        dist.destroy_process_group()
