@@ -47,7 +47,13 @@ class Checkpointer:
 
     One writer per lineage: a second Checkpointer (another job) on the same ``uri`` raises
     :class:`~ray_ckpt.engine.lease.LeaseError` naming the holder, unless ``takeover=True`` (take over a lease
-    whose job is gone; logged). With ``runtime="ray"`` the lease belongs to the run.
+    whose job is gone; logged). With ``runtime="ray"`` the lease belongs to the run; with ``runtime="local"``
+    and ``run`` given it is shared by the writers of that run (a restarted worker group continues).
+
+    Sharded state (FSDP2 ``fully_shard``: parameters are DTensor shards on a 1-D mesh): create a Checkpointer on
+    every rank; each writes its own shard lineage below ``uri`` (``shards/w<world>/r<rank>/``) with
+    ``runtime="local"`` and LowDiff, and :func:`restore` on every rank of any world size restores the newest step
+    all saved ranks hold, resharding when the world size changed (see :mod:`ray_ckpt.engine.sharded`).
 
     Storage writes are retried with backoff for ``write_timeout`` seconds (default 300): an outage shorter than
     that costs time (the training thread waits once ``max_pending_bytes`` is held), never data; beyond it
@@ -142,7 +148,7 @@ class Checkpointer:
     def _attach_sink(self, impl, run, info: dict, takeover: bool):
         """The lease (local), the generation and the sink of this attach; returns the frequency policy."""
         if self.runtime == "local":
-            self._lease = Lease(self.storage)
+            self._lease = Lease(self.storage, run=run)   # shared by the writers of one run (Ray Train restarts)
             self._lease.acquire(takeover=takeover)      # one writer per lineage (LeaseError names the holder)
             lineage, _ = load_lineage(self.storage, strict=False)
             self.generation = lineage.next_generation()
@@ -287,6 +293,10 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
 
     ``runtime="ray"`` asks the run's coordinator for the plan and reads objects from the object store of live
     nodes where they are held (memory tier), from storage otherwise; without a coordinator it reads storage.
+
+    Sharded (FSDP2) ``model``/``optimizer``: call on every rank; each restores its shards of ``step`` (None: the
+    newest step every saved rank holds; a step one rank lacks raises NoCheckpointError) from storage, at the saved
+    world size or resharded to this one. No collectives: every rank decides from storage alone.
     """
     t0 = time.perf_counter()
     model = _unwrap(model)

@@ -152,3 +152,19 @@ def refused(rank, world, port, uri, out):
         assert not os.path.exists(uri) or not os.listdir(uri), os.listdir(uri)
     finally:
         dist.destroy_process_group()
+
+
+def reference(rank, world, port, out, steps):
+    """The uninterrupted run without checkpointing: the gathered global state after every step (rank 0 saves)."""
+    _init(rank, world, port)
+    try:
+        model, opt, sch = fsdp_model(0)
+        glob = {0: global_snapshot(model, opt)}
+        for s in range(steps):
+            T.train_step(KIND, model, opt, sch, s, rank)
+            glob[s + 1] = global_snapshot(model, opt)
+        if rank == 0:
+            torch.save(glob, os.path.join(out, "global.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

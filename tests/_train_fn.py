@@ -173,3 +173,36 @@ def loader_loop(config: dict) -> None:
     attempt = f"{int(time.time() * 1000)}-{os.getpid()}"
     torch.save({**out, "start": session_start, "rank": ray.train.get_context().get_world_rank()},
                os.path.join(config["out"], f"final-{attempt}.pt"))
+
+
+def fsdp_loop(config: dict) -> None:
+    """FSDP2 (fully_shard TinyGPT, AdamW, a scheduler) under Ray Train with the callback: every rank checkpoints
+    its shard. Rank 0 saves the gathered global state at the start (restored or not) and at the end."""
+    import ray.train
+
+    import ray_ckpt.train
+    from tests import _fsdp_worker as W, _training as T
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    steps, out = config["steps"], config["out"]
+    model, opt, sched = W.fsdp_model(0)
+    session = ray_ckpt.train.attach(model, opt, scheduler=sched, full_every=W.FULL_EVERY, batch_steps=W.BATCH,
+                                    report_every=W.FULL_EVERY)
+    attempt = f"{int(time.time() * 1000)}-{os.getpid()}"
+    g = W.global_snapshot(model, opt)   # collective
+    if rank == 0:
+        torch.save({"step": session.start_step, "world": world, "restored": session.restored, "state": g},
+                   os.path.join(out, f"start-{attempt}.pt"))
+    for s in range(session.start_step, steps):
+        if s == config.get("kill_at") and rank == 1:
+            marker = os.path.join(out, "killed")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        T.train_step(W.KIND, model, opt, sched, s, rank)
+    session.close()
+    g = W.global_snapshot(model, opt)
+    if rank == 0:
+        torch.save({"step": steps, "world": world, "state": g}, os.path.join(out, f"final-{attempt}.pt"))

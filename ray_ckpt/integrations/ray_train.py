@@ -38,7 +38,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray_ckpt import storage as _storage
 from ray_ckpt.storage.uri import SECRET_OPTIONS
 from ray_ckpt.config import CheckpointConfig
-from ray_ckpt.api import Checkpointer, _unwrap, read_pointer, restore, write_pointer
+from ray_ckpt.api import Checkpointer, _check_params, _unwrap, read_pointer, restore, write_pointer
 from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
@@ -210,7 +210,7 @@ class TrainSession:
     run: str
     storage_uri: str
     world_rank: int
-    checkpointer: Checkpointer | None   #: rank 0 only: captures every optimizer step
+    checkpointer: Checkpointer | None   #: rank 0 (every rank with sharded state): captures every step
     restore_seconds: float = 0.0
     loop_recorder: Any = None           #: ranks > 0 of a group: records this rank's RNG and extra state
     report_every: int = 0               #: pointer reports every this many steps (0: only at close)
@@ -318,20 +318,32 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     coord = get_or_create_coordinator(run, storage, full_every=config.full_every,
                                       batch_steps=config.batch_steps)
     policy = ray.get(coord.get_policy.remote())
+    sharded = _check_params(optimizer) is not None
     t0 = time.perf_counter()
-    start, restored = agreed_restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
-                                     scaler=scaler, run=run)
+    if sharded:
+        start, restored = sharded_agreed_restore(storage, model, optimizer, scheduler=scheduler,
+                                                 extra_state=extra_state, scaler=scaler)
+    else:
+        start, restored = agreed_restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
+                                         scaler=scaler, run=run)
     restore_seconds = time.perf_counter() - t0
     if restored:
         log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, restore_seconds)
-    ck = None
-    if rank == 0:
-        ck = Checkpointer(storage, model, optimizer, scheduler=scheduler,
-                          strategy=strategy, extra_state=extra_state, scaler=scaler,
-                          start_step=start, runtime="ray", run=run,
+    ck = recorder = None
+    if sharded:
+        # FSDP2: every rank writes its own shard lineage (with its own loop state) from a thread of its process;
+        # the writer leases are the run's, so a restarted worker group takes them over without ceremony
+        ck = Checkpointer(storage, model, optimizer, scheduler=scheduler, strategy=strategy,
+                          extra_state=extra_state, scaler=scaler, start_step=start, runtime="local", run=run,
                           full_every=policy.full_every, batch_steps=policy.batch_steps)
-    recorder = _record_rank_loop(storage, rank, model, optimizer, ck, start=start, extra_state=extra_state,
-                                 full_every=policy.full_every, batch_steps=policy.batch_steps)
+    else:
+        if rank == 0:
+            ck = Checkpointer(storage, model, optimizer, scheduler=scheduler,
+                              strategy=strategy, extra_state=extra_state, scaler=scaler,
+                              start_step=start, runtime="ray", run=run,
+                              full_every=policy.full_every, batch_steps=policy.batch_steps)
+        recorder = _record_rank_loop(storage, rank, model, optimizer, ck, start=start, extra_state=extra_state,
+                                     full_every=policy.full_every, batch_steps=policy.batch_steps)
     every = policy.full_every if report_every is None else report_every
     session = TrainSession(start_step=start, restored=restored, run=run,
                            storage_uri=storage.describe(), world_rank=rank, checkpointer=ck,
@@ -451,6 +463,40 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
 
 
 _AGREE_ROUNDS = 3
+
+
+def sharded_agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=None,
+                           scaler=None) -> tuple[int, bool]:
+    """:func:`agreed_restore` for sharded (FSDP2) state: each rank restores its shards of the newest step that
+    every saved rank holds (:func:`ray_ckpt.engine.sharded.restore_sharded` decides from storage alone, so every
+    rank reaches the same decision), resharding when the world size changed; the ranks then exchange their
+    outcome and every rank raises :class:`RestoreError` unless all restored one step (or all start from
+    scratch). Training process of each rank (collective when ``torch.distributed`` is initialized)."""
+    import torch.distributed as dist
+    outcome = None
+    try:
+        outcome = ("step", restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
+                                   scaler=scaler, runtime="local"))
+    except NoCheckpointError as e:
+        outcome = ("fresh", str(e))
+    except Exception as e:  # noqa: BLE001 - exchanged with the other ranks, then raised on all
+        outcome = ("error", f"{type(e).__name__}: {e}")
+    outcomes = [outcome]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, outcome)
+    failed = {r: o[1] for r, o in enumerate(outcomes) if o[0] == "error"}
+    if failed:
+        raise RestoreError("sharded restore failed on rank(s) " + "; ".join(f"rank {r}: {e}"
+                                                                          for r, e in sorted(failed.items())))
+    kinds = {o[0] for o in outcomes}
+    if kinds == {"fresh"}:
+        log.info("ray_ckpt: sharded run starts from scratch (%s)", outcomes[0][1])
+        return 0, False
+    steps = {o[1] for o in outcomes if o[0] == "step"}
+    if kinds != {"step"} or len(steps) != 1:
+        raise RestoreError(f"the ranks restored different states: {outcomes}")
+    return steps.pop(), True
 
 
 def _raise_failed(outcomes: list, what: str) -> None:

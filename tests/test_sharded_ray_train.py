@@ -1,0 +1,69 @@
+"""FSDP2 under Ray Train with RayCkptCallback (issue #15): a SIGKILLed worker, the group restarted, training
+continues bit for bit; then the run resumed by a new driver at fewer workers (2 -> 1), resharded, bitwise."""
+from __future__ import annotations
+
+import glob
+import uuid
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import ray_ckpt.train
+from tests import _fsdp_worker as W, _training as T
+from tests._train_fn import fsdp_loop
+
+pytestmark = pytest.mark.ray
+
+
+def _fit(tmp, name, config, num_workers, max_failures):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    trainer = TorchTrainer(
+        fsdp_loop, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=str(tmp / "ray_train"),
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             callbacks=[ray_ckpt.train.RayCkptCallback(tmp / "ckpt", full_every=W.FULL_EVERY,
+                                                                       batch_steps=W.BATCH)]))
+    return trainer.fit()
+
+
+def _records(out, kind):
+    return sorted((torch.load(p, weights_only=False) for p in glob.glob(str(out / f"{kind}-*.pt"))),
+                  key=lambda d: d["step"])
+
+
+def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):  # noqa: F811
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    mp.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), W.STEPS), nprocs=2, join=True)
+    reference = torch.load(ref_dir / "global.pt", weights_only=False)
+
+    name = f"fsdp-{uuid.uuid4().hex[:6]}"
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _fit(tmp_path, name, {"steps": W.STEPS, "out": str(out), "kill_at": 12}, num_workers=2,
+                  max_failures=1)
+    assert result.error is None, result.error
+    assert (out / "killed").exists()
+    starts = _records(out, "start")
+    resumed = [d for d in starts if d["restored"]]
+    assert len(resumed) == 1 and resumed[0]["world"] == 2, [(d["step"], d["restored"]) for d in starts]
+    step = resumed[0]["step"]
+    assert W.FULL_EVERY <= step <= 12, step
+    T.assert_same(reference[step], resumed[0]["state"], f"restored step {step}")
+    finals = _records(out, "final")
+    assert [d["step"] for d in finals] == [W.STEPS]
+    T.assert_same(reference[W.STEPS], finals[0]["state"], "final state after the restart")
+
+    # a new driver, one worker: the latest step restored from the 2-rank shards, then training goes on
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    result = _fit(tmp_path, name, {"steps": W.STEPS + 3, "out": str(out2)}, num_workers=1, max_failures=0)
+    assert result.error is None, result.error
+    (start,) = _records(out2, "start")
+    assert start["restored"] and start["world"] == 1 and start["step"] == W.STEPS
+    T.assert_same(reference[W.STEPS], start["state"], "resharded 2 -> 1")
+    (final,) = _records(out2, "final")
+    assert final["step"] == W.STEPS + 3 and final["world"] == 1
