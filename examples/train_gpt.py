@@ -1,7 +1,9 @@
 """Train a byte-level GPT on the Python standard library's sources with Ray Train, checkpointing EVERY step with
-ray_ckpt LowDiff (top-k 1% compressed DDP). Works locally, under ``ray job submit``, and on a cluster.
+ray_ckpt LowDiff (top-k 1% compressed DDP, or FSDP2 with ``--fsdp``: every rank checkpoints its shard). Works
+locally, under ``ray job submit``, and on a cluster.
 
     python examples/train_gpt.py --steps 200 --storage /tmp/ray_ckpt_gpt
+    python examples/train_gpt.py --fsdp --steps 200 --storage /tmp/ray_ckpt_gpt_fsdp
     python examples/train_gpt.py --storage s3://bucket/gpt -o endpoint_override=127.0.0.1:9000 -o scheme=http
     ray job submit --address http://HEAD:8265 --working-dir . -- python examples/train_gpt.py --storage s3://...
 
@@ -35,9 +37,18 @@ def train_loop(cfg: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(cfg["preset"]))
-    net = ray.train.torch.prepare_model(model)
-    if world > 1 and cfg["topk"] > 0:
-        net.register_comm_hook(compression.TopKState(ratio=cfg["topk"]), compression.topk_hook)
+    if cfg["fsdp"]:
+        # FSDP2: parameters become DTensor shards (one per rank); ray_ckpt captures each rank's gradient shard
+        from torch.distributed.fsdp import fully_shard
+        model.to(ray.train.torch.get_device())
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        net = model
+    else:
+        net = ray.train.torch.prepare_model(model)
+        if world > 1 and cfg["topk"] > 0:
+            net.register_comm_hook(compression.TopKState(ratio=cfg["topk"]), compression.topk_hook)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1, betas=(0.9, 0.95))
     sched = warmup_cosine(opt, warmup=max(1, cfg["steps"] // 10), total=cfg["steps"])
     data = ByteBatches(stdlib_corpus(cfg["corpus_mb"] << 20), model.config.seq, cfg["batch"])
@@ -55,7 +66,7 @@ def train_loop(cfg: dict) -> None:
     for step in range(session.start_step, cfg["steps"]):
         x, y = (t.to(dev) for t in data.get(step, rank))
         opt.zero_grad(set_to_none=True)
-        loss = model.loss(x, y) if world == 1 else _ddp_loss(net, x, y)
+        loss = model.loss(x, y) if world == 1 or cfg["fsdp"] else _ddp_loss(net, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -65,10 +76,13 @@ def train_loop(cfg: dict) -> None:
             t0 = time.perf_counter()
             print(f"step {step + 1:5d}  loss {loss.item():.4f}  {dt * 1000:.0f} ms/step", flush=True)
     session.close()
+    # with FSDP2 a forward pass is collective: every rank evaluates
+    heldout = data.heldout_loss(model) if rank == 0 or cfg["fsdp"] else None
     if rank == 0:
         stats = session.checkpointer.stats()
-        print("[ray_ckpt] " + json.dumps({"final_step": cfg["steps"], "heldout_loss": data.heldout_loss(model),
-                                          "diff_bytes": stats["diff_bytes"], "full_bytes": stats["full_bytes"]}),
+        print("[ray_ckpt] " + json.dumps({"final_step": cfg["steps"], "heldout_loss": heldout,
+                                          "diff_bytes": stats["diff_bytes"], "full_bytes": stats["full_bytes"],
+                                          "bytes_of": "rank 0's shard" if cfg["fsdp"] else "the model"}),
               flush=True)
 
 
@@ -97,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--max-failures", type=int, default=3)
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP: sharded state, "
+                   "each rank checkpoints its shard (dense gradients; --topk is ignored)")
     p.add_argument("--use-gpu", action="store_true")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
     args = p.parse_args(argv)
@@ -114,7 +130,7 @@ def main(argv=None) -> int:
         ray.init(address="local", include_dashboard=False)
     workers = args.workers if args.min_workers is None else (args.min_workers, args.workers)
     cfg = {k: getattr(args, k) for k in ("steps", "preset", "batch", "lr", "topk", "full_every", "batch_steps",
-                                         "corpus_mb", "threads", "log_every")}
+                                         "corpus_mb", "threads", "log_every", "fsdp")}
     cfg["storage_options"] = options
     trainer = TorchTrainer(
         train_loop, train_loop_config=cfg,

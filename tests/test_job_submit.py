@@ -92,3 +92,17 @@ def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
     lineage, _ = load_lineage(open_storage(str(storage)))
     assert lineage.head() == 8
     assert lineage.reachable_steps(1) == list(range(9))
+
+    # the same example with FSDP2 (--fsdp): every rank writes its shard lineage; both reach the last step
+    storage2 = tmp_path / "ckpt_fsdp"
+    cmd2 = [c for c in cmd if c not in ("job-test",)] + ["job-fsdp", "--fsdp"]
+    cmd2[cmd2.index("--storage") + 1] = str(storage2)
+    r = subprocess.run(cmd2, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "succeeded" in r.stdout.lower(), r.stdout[-4000:] + r.stderr[-2000:]
+    from ray_ckpt.engine import sharded
+    s2 = open_storage(str(storage2))
+    assert sharded.saved_worlds(s2) == [2]
+    for rank in range(2):
+        lin, _ = load_lineage(sharded.shard_storage(s2, 2, rank))
+        assert lin.head() == 8 and lin.reachable_steps(1) == list(range(9)), rank
+    assert sharded.choose_world(s2, None) == (2, 8)
