@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
-.PHONY: venv demo test reliability bench bench-quick bench-fast bench-paired bench-scaling clean
+.PHONY: venv demo test reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,10 @@ bench-paired: $(STAMP)
 # how the costs grow: 10M/40M/100M parameters at 2 workers, 1/2/4 workers at 10M
 bench-scaling: $(STAMP)
 	$(PY) -m benchmarks.paired --scaling
+
+# FSDP2, a checkpoint every step: ray_ckpt's shard lineages vs DCP async_save vs none, interleaved (issue #15)
+bench-fsdp: $(STAMP)
+	$(PY) -m benchmarks.fsdp
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -3,6 +3,7 @@ restores are bitwise at the saved world size, and resharded to 1 and 3 ranks (un
 gathered state of the uninterrupted 2-rank run; a step one rank lacks is never restored (issue #15)."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import torch.multiprocessing as mp
@@ -12,12 +13,21 @@ from ray_ckpt.storage import open_storage
 from tests import _fsdp_worker as W, _training as T
 
 
-def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path):
+def _ls(path, capsys) -> dict:
+    from ray_ckpt.cli.main import main as cli_main
+    capsys.readouterr()
+    assert cli_main(["ls", "--json", path]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
     mp.spawn(W.train_and_restore, args=(2, T.free_port(), uri, out), nprocs=2, join=True)
     storage = open_storage(uri)
     assert sharded.saved_worlds(storage) == [2]
     assert storage.list("shards/w00002/r00001/manifests/")          # rank 1 wrote its own lineage
+    listed = _ls(uri, capsys)["sharded"]
+    assert [(w["world"], w["latest"], [r["head"] for r in w["ranks"]]) for w in listed] == [(2, W.STEPS, [W.STEPS] * 2)]
     # reshard: 2 -> 1 and 2 -> 3 (TinyGPT's 32-wide tensors split 11/11/10)
     mp.spawn(W.restore_at_world, args=(1, T.free_port(), uri, out, [W.STEPS, 6, 13]), nprocs=1, join=True)
     mp.spawn(W.restore_at_world, args=(3, T.free_port(), uri, out, [W.STEPS, 5]), nprocs=3, join=True)
@@ -31,6 +41,7 @@ def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path):
     s2.delete(newest)
     expect = int(newest.rsplit("-", 2)[-2]) - 1   # the step before the deleted diff's first step
     assert expect < W.STEPS
+    assert _ls(str(lost), capsys)["sharded"][0]["latest"] == expect     # ray-ckpt ls says so too
     mp.spawn(W.missing_shard, args=(2, T.free_port(), str(lost), out, expect), nprocs=2, join=True)
 
 

@@ -71,6 +71,19 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _sharded_summary(storage) -> list[dict]:
+    """Per saved world size of sharded (FSDP2) state: the step complete on every rank and each rank's head."""
+    from ray_ckpt.engine import sharded
+    out = []
+    for world in sharded.saved_worlds(storage):
+        lins = [load_lineage(sharded.shard_storage(storage, world, r), strict=False)[0] for r in range(world)]
+        out.append({"world": world, "latest": sharded.agreed_step(lins, None),
+                    "ranks": [{"rank": r, "head": lin.head(),
+                               "uri": sharded.shard_storage(storage, world, r).uri}
+                              for r, lin in enumerate(lins)]})
+    return out
+
+
 def cmd_ls(storage, args) -> int:
     lineage, bad = load_lineage(storage, strict=False)
     rows = []
@@ -87,13 +100,21 @@ def cmd_ls(storage, args) -> int:
                      "gaps": "-" if lazy else _ranges(lineage.uncovered_steps(gen)),
                      "durable_diffs": "fulls" if lazy else "all"})
     head = lineage.head()
-    if not lineage.manifests and not bad and not args.json:
+    shards = _sharded_summary(storage)
+    if not lineage.manifests and not bad and not shards and not args.json:
         print(f"ray-ckpt: no checkpoint lineage at {storage.describe()} (nothing committed there)",
               file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"uri": storage.describe(), "head": head, "generations": rows,
-                          "malformed_manifests": bad}, indent=2))
+                          "malformed_manifests": bad, "sharded": shards}, indent=2))
+        return 0
+    for w in shards:
+        print(f"{storage.describe()}: sharded state (FSDP2) of {w['world']} ranks: latest step complete on every "
+              f"rank {w['latest']}")
+        for r in w["ranks"]:
+            print(f"  rank {r['rank']}: latest recoverable step {r['head']}  (ray-ckpt ls {r['uri']})")
+    if not lineage.manifests and not bad:
         return 0
     print(f"{storage.describe()}: latest recoverable step {head}")
     for r in rows:
