@@ -82,6 +82,7 @@ def train_and_restore(rank, world, port, uri, out):
         m2, o2, s2 = fsdp_model(42)
         assert ray_ckpt.restore(uri, m2, o2, scheduler=s2) == STEPS   # latest
         T.assert_same(local[STEPS], local_snapshot(m2, o2, s2), f"rank {rank} latest")
+        dist.barrier()   # every rank has read the lineage before any rank writes a new generation
         # continuation: restore RESUME_AT, attach again (a new generation of every shard lineage), train on
         m3, o3, s3 = fsdp_model(7)
         assert ray_ckpt.restore(uri, m3, o3, scheduler=s3, step=RESUME_AT) == RESUME_AT
@@ -90,6 +91,7 @@ def train_and_restore(rank, world, port, uri, out):
             for s in range(RESUME_AT, STEPS):
                 T.train_step(KIND, m3, o3, s3, s, rank)
         T.assert_same(local[STEPS], local_snapshot(m3, o3, s3), f"rank {rank} continued from {RESUME_AT}")
+        dist.barrier()   # every rank's shard lineage is closed (complete) before any rank reads the latest step
         m4, o4, s4 = fsdp_model(5)
         assert ray_ckpt.restore(uri, m4, o4, scheduler=s4) == STEPS
         T.assert_same(local[STEPS], local_snapshot(m4, o4, s4), f"rank {rank} latest after the continuation")
@@ -165,6 +167,21 @@ def reference(rank, world, port, out, steps):
             glob[s + 1] = global_snapshot(model, opt)
         if rank == 0:
             torch.save(glob, os.path.join(out, "global.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def corrupt_shard_agreement(rank, world, port, uri, out, expect):
+    """Rank 1's newest diff object is corrupt: each rank restores with fallback, rank 1 falls back further, and
+    the agreement brings both ranks to the step rank 1 reached (bitwise)."""
+    from ray_ckpt.integrations.ray_train import sharded_agreed_restore
+    _init(rank, world, port)
+    try:
+        local = torch.load(os.path.join(out, f"local-{rank}.pt"), weights_only=False)
+        m2, o2, s2 = fsdp_model(99)
+        assert sharded_agreed_restore(uri, m2, o2, scheduler=s2) == (expect, True)
+        T.assert_same(local[expect], local_snapshot(m2, o2, s2), f"rank {rank} agreed step {expect}")
         dist.barrier()
     finally:
         dist.destroy_process_group()

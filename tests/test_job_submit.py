@@ -105,4 +105,4 @@ def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
     for rank in range(2):
         lin, _ = load_lineage(sharded.shard_storage(s2, 2, rank))
         assert lin.head() == 8 and lin.reachable_steps(1) == list(range(9)), rank
-    assert sharded.choose_world(s2, None) == (2, 8)
+    assert sharded.choose_world(s2, None) == (2, [8])

@@ -44,6 +44,17 @@ def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     assert _ls(str(lost), capsys)["sharded"][0]["latest"] == expect     # ray-ckpt ls says so too
     mp.spawn(W.missing_shard, args=(2, T.free_port(), str(lost), out, expect), nprocs=2, join=True)
 
+    # rank 1's newest diff object is corrupt (its manifest is there): restores with fallback agree on the step
+    # before it on both ranks (Ray Train's attach does this)
+    bad = tmp_path / "bad"
+    shutil.copytree(uri, bad)
+    s3 = open_storage(str(bad))
+    obj = newest.replace("manifests/", "objects/").replace(".json", ".rckpt")
+    data = bytearray(s3.read(obj))
+    data[len(data) // 2] ^= 0xFF
+    s3.write(obj, bytes(data))
+    mp.spawn(W.corrupt_shard_agreement, args=(2, T.free_port(), str(bad), out, expect), nprocs=2, join=True)
+
 
 def test_fsdp2_unsupported_combinations_are_refused_before_writing(tmp_path):
     mp.spawn(W.refused, args=(1, T.free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=1, join=True)

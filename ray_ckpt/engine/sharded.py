@@ -14,7 +14,10 @@ Every full records the sharding (:func:`sharding_info`: world size, rank, each p
 shard dimension) in its layout.
 
 **A step is recoverable only when every rank's shard of it is** (:func:`agreed_step`): a restore takes the newest
-step that each shard lineage of one world size restores exactly, never mixing steps across ranks.
+step that each shard lineage of one world size restores exactly, never mixing steps across ranks. With
+``fallback=True`` a step whose objects this rank cannot read (missing, corrupt) is skipped for the next older
+complete step; ranks that fell back differently are brought to one step by
+:func:`ray_ckpt.integrations.ray_train.sharded_agreed_restore` (a restore at the smallest step they reached).
 
 **Restore** (:func:`restore_sharded`, each rank of the new world, no collectives): the shard chains are replayed
 on plain tensors of the training device with the same replay code as every restore
@@ -41,7 +44,9 @@ import torch
 
 from ray_ckpt.engine.capture import RESTORED_STEP_ATTR, ShadowError
 from ray_ckpt.engine.restore import apply_loop, check_not_attached, load_lineage, replay, resolve_and_load
-from ray_ckpt.lineage import Lineage, NoCheckpointError
+from ray_ckpt.format.container import CorruptObjectError
+from ray_ckpt.lineage import Lineage, ManifestError, NoCheckpointError
+from ray_ckpt.storage import ObjectNotFound
 from ray_ckpt.storage.prefixed import PrefixedStorage
 
 log = logging.getLogger("ray_ckpt")
@@ -147,41 +152,50 @@ def timeline_steps(lineage: Lineage) -> set[int]:
     return out
 
 
-def agreed_step(lineages: list[Lineage], step: int | None) -> int | None:
-    """The newest step (``step`` itself when given) that every shard lineage restores exactly; None if none."""
+def common_steps(lineages: list[Lineage]) -> set[int]:
+    """The steps that every shard lineage restores exactly."""
     common: set[int] | None = None
     for lin in lineages:
         steps = timeline_steps(lin)
         common = steps if common is None else common & steps
         if not common:
-            return None
+            return set()
+    return common or set()
+
+
+def agreed_step(lineages: list[Lineage], step: int | None) -> int | None:
+    """The newest step (``step`` itself when given) that every shard lineage restores exactly; None if none."""
+    common = common_steps(lineages)
     if step is not None:
         return step if step in common else None
-    return max(common)
+    return max(common) if common else None
 
 
 def _shard_lineages(storage, world: int, strict: bool) -> list[Lineage]:
     return [load_lineage(shard_storage(storage, world, r), strict=strict)[0] for r in range(world)]
 
 
-def choose_world(storage, step: int | None, *, strict: bool = True) -> tuple[int, int]:
-    """``(world, step)``: the saved world size and the step a restore of ``step`` (None = latest) reads: the
-    newest step complete on every rank of one world size (for a tie, the larger world's marker is newer only by
-    chance: the one with the newest manifest wins). Raises NoCheckpointError."""
+def choose_world(storage, step: int | None, *, strict: bool = True, at_most: bool = False
+                 ) -> tuple[int, list[int]]:
+    """``(world, steps)``: the saved world size a restore of ``step`` (None = latest) reads and the steps it may
+    restore there, best first: the newest step complete on every rank of one world size (for a tie, the world
+    with the newest manifest wins) — or, with ``at_most``, every complete step at or before ``step``, newest
+    first (the fallbacks of a restore with ``fallback=True``). Raises NoCheckpointError."""
     best = None
     for world in saved_worlds(storage):
         lins = _shard_lineages(storage, world, strict)
-        s = agreed_step(lins, step)
-        if s is None:
+        common = common_steps(lins)
+        ok = sorted((s for s in common if step is None or s == step or (at_most and s <= step)), reverse=True)
+        if not ok:
             continue
         newest = max((m.created for lin in lins for m in lin.manifests), default=0.0)
-        if best is None or (s, newest) > (best[1], best[2]):
-            best = (world, s, newest)
+        if best is None or (ok[0], newest) > (best[1][0], best[2]):
+            best = (world, ok, newest)
     if best is None:
         what = "any step" if step is None else f"step {step}"
         raise NoCheckpointError(f"no sharded checkpoint under {storage.describe()} holds {what} on every rank "
                                 f"(saved world sizes: {saved_worlds(storage) or 'none'})")
-    return best[0], best[1]
+    return best[0], best[1] if at_most else best[1][:1]
 
 
 @dataclass
@@ -194,9 +208,9 @@ class _Replayed:
     sharding: dict
 
 
-def _replay_shard(storage, world: int, rank: int, step: int, device: torch.device, fallback: bool) -> _Replayed:
+def _replay_shard(storage, world: int, rank: int, step: int, device: torch.device) -> _Replayed:
     from ray_ckpt.engine.shadow import rebuild
-    chain = resolve_and_load(shard_storage(storage, world, rank), step, fallback=fallback)
+    chain = resolve_and_load(shard_storage(storage, world, rank), step, fallback=False)
     if chain.step != step:
         raise NoCheckpointError(f"rank {rank} of world {world} restores step {chain.step}, not {step}")
     layout = chain.full.layout or {}
@@ -226,11 +240,22 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
     every saved rank), from the saved world size that holds it, resharding when it differs from ``spec.world``.
     Returns the step. Training process of each rank; no collectives (every rank decides from storage alone)."""
     check_not_attached(optimizer)
-    world, step = choose_world(storage, step, strict=not fallback)
+    world, candidates = choose_world(storage, step, strict=not fallback, at_most=fallback)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
     sources = [spec.rank] if world == spec.world else list(range(world))
-    shards = {r: _replay_shard(storage, world, r, step, device, fallback) for r in sources}
+    for step in candidates:
+        try:
+            shards = {r: _replay_shard(storage, world, r, step, device) for r in sources}
+            break
+        except (CorruptObjectError, ObjectNotFound, ManifestError) as e:
+            if not fallback:
+                raise
+            log.warning("ray_ckpt: step %d of the sharded state cannot be read (%s); falling back to an earlier "
+                        "step complete on every rank", step, e)
+    else:
+        raise NoCheckpointError(f"no step at or before {candidates[0]} of the sharded state under "
+                                f"{storage.describe()} can be read on rank {spec.rank}")
     first = shards[sources[0]]
     if [tuple(s) for s in first.sharding["shapes"]] != list(spec.shapes) or \
             list(first.sharding["dims"]) != list(spec.dims):

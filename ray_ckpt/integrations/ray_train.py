@@ -470,33 +470,42 @@ def sharded_agreed_restore(storage, model, optimizer, *, scheduler=None, extra_s
     """:func:`agreed_restore` for sharded (FSDP2) state: each rank restores its shards of the newest step that
     every saved rank holds (:func:`ray_ckpt.engine.sharded.restore_sharded` decides from storage alone, so every
     rank reaches the same decision), resharding when the world size changed; the ranks then exchange their
-    outcome and every rank raises :class:`RestoreError` unless all restored one step (or all start from
+    outcome: a rank that fell back further (a missing or corrupt object of its shards) brings every rank to the
+    step it reached; every rank raises :class:`RestoreError` unless all restored one step (or all start from
     scratch). Training process of each rank (collective when ``torch.distributed`` is initialized)."""
     import torch.distributed as dist
-    outcome = None
-    try:
-        outcome = ("step", restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
-                                   scaler=scaler, runtime="local"))
-    except NoCheckpointError as e:
-        outcome = ("fresh", str(e))
-    except Exception as e:  # noqa: BLE001 - exchanged with the other ranks, then raised on all
-        outcome = ("error", f"{type(e).__name__}: {e}")
-    outcomes = [outcome]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, outcome)
-    failed = {r: o[1] for r, o in enumerate(outcomes) if o[0] == "error"}
-    if failed:
-        raise RestoreError("sharded restore failed on rank(s) " + "; ".join(f"rank {r}: {e}"
-                                                                          for r, e in sorted(failed.items())))
-    kinds = {o[0] for o in outcomes}
-    if kinds == {"fresh"}:
-        log.info("ray_ckpt: sharded run starts from scratch (%s)", outcomes[0][1])
-        return 0, False
-    steps = {o[1] for o in outcomes if o[0] == "step"}
-    if kinds != {"step"} or len(steps) != 1:
-        raise RestoreError(f"the ranks restored different states: {outcomes}")
-    return steps.pop(), True
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    target = None
+    for attempt in range(_AGREE_ROUNDS):
+        try:   # fallback: a missing or corrupt object of this rank's shards costs steps, not the run
+            outcome = ("step", restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
+                                       scaler=scaler, runtime="local", step=target, fallback=True))
+        except NoCheckpointError as e:
+            outcome = ("fresh", str(e))
+        except Exception as e:  # noqa: BLE001 - exchanged with the other ranks, then raised on all
+            outcome = ("error", f"{type(e).__name__}: {e}")
+        outcomes = [outcome]
+        if group:
+            outcomes = [None] * dist.get_world_size()
+            dist.all_gather_object(outcomes, outcome)
+        failed = {r: o[1] for r, o in enumerate(outcomes) if o[0] == "error"}
+        if failed:
+            raise RestoreError("sharded restore failed on rank(s) " + "; ".join(f"rank {r}: {e}"
+                                                                              for r, e in sorted(failed.items())))
+        kinds = {o[0] for o in outcomes}
+        if kinds == {"fresh"} and target is None:
+            log.info("ray_ckpt: sharded run starts from scratch (%s)", outcomes[0][1])
+            return 0, False
+        if kinds != {"step"}:
+            raise RestoreError(f"the ranks could not restore one step: {outcomes}")
+        steps = sorted({o[1] for o in outcomes})
+        if len(steps) == 1:
+            if target is not None:
+                log.error("ray_ckpt: the ranks restored step %d: objects of later steps were missing or corrupt "
+                          "on some rank (logged there); the steps in between are recomputed", steps[0])
+            return steps[0], True
+        target = steps[0]   # a rank fell back further (it read a bad object): every rank goes there
+    raise RestoreError(f"the ranks could not agree on a step to restore (they reached {steps})")
 
 
 def _raise_failed(outcomes: list, what: str) -> None:
