@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -67,18 +68,8 @@ def _replica(spec: jobs.JobSpec, total: int, seed: int):
 
 
 def worker(rank: int, cell: dict) -> None:
-    out: dict = {"rank": rank}
-    try:
-        _worker(rank, cell, out)
-        name = f"result_rank{rank}.json"
-    except BaseException as e:  # noqa: BLE001 - reported to the orchestrator
-        import traceback
-        out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        name = f"error_rank{rank}.json"
-    with open(os.path.join(cell["dir"], name), "w") as f:
-        json.dump(out, f)
-    if "error" in out:
-        raise SystemExit(1)
+    from benchmarks.run import rank_main
+    rank_main(rank, cell["dir"], lambda out: _worker(rank, cell, out))
 
 
 def _worker(rank: int, cell: dict, out: dict) -> None:
@@ -270,8 +261,6 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> int:
     import datetime
 
-    import torch.multiprocessing as tmp
-
     from benchmarks.run import parse_job, preimport
     args = build_parser().parse_args(argv)
     if args.quick:   # a smoke run; --job still applies when given
@@ -295,23 +284,16 @@ def main(argv=None) -> int:
     print(f"[fsdp {time.strftime('%H:%M:%S')}] GPT {spec.size}, {args.world} ranks: {args.rounds} rounds x 3 blocks "
           f"x {args.block_steps} steps", flush=True)
     t0 = time.perf_counter()
-    errors = []
-    try:
-        ctx = tmp.start_processes(worker, args=(cell,), nprocs=args.world, join=False, start_method="fork")
-        deadline = time.monotonic() + args.timeout
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                errors.append("timed out")
-                break
-    except Exception as e:  # noqa: BLE001 - a rank failed: its error file says why
-        errors.append(f"{type(e).__name__}: {str(e)[-1500:]}")
-    from benchmarks.run import read_json
+    from benchmarks.run import read_json, reap
+    fork = mp.get_context("fork")
+    procs = [fork.Process(target=worker, args=(r, cell)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    reap(procs, args.timeout)
     res = [read_json(os.path.join(d, f"result_rank{r}.json")) or read_json(os.path.join(d, f"error_rank{r}.json"))
-           or {"rank": r, "error": "no result"} for r in range(args.world)]
+           or {"rank": r, "error": "no result (killed or timed out)"} for r in range(args.world)]
     shutil.rmtree(d, ignore_errors=True)
-    errors += [x for x in res if "error" in x]
+    errors = [x for x in res if "error" in x]
     result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "machine": report.machine_info("cpu"), "settings": vars(args), "errors": errors,
               "wall_s": time.perf_counter() - t0,

@@ -79,17 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 # one rank of one cell (a forked process)
 # ------------------------------------------------------------------------------------------------------------
 def cell_main(rank: int, cell: dict) -> None:
-    out: dict = {"rank": rank}
-    try:
-        _cell(rank, cell, out)
-        name = f"result_rank{rank}.json"
-    except BaseException as e:  # noqa: BLE001 - reported to the orchestrator
-        import traceback
-        out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        name = f"error_rank{rank}.json"
-    with open(os.path.join(cell["dir"], name), "w") as f:
-        json.dump(out, f)
-    os._exit(0 if "error" not in out else 1)
+    from benchmarks.run import rank_main
+    rank_main(rank, cell["dir"], lambda out: _cell(rank, cell, out))
 
 
 def _replica(cell: dict, device, spec: jobs.JobSpec, total: int):

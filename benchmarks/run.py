@@ -143,6 +143,23 @@ def reap(procs, timeout, grace: float = 20.0) -> bool:
     return ok
 
 
+def rank_main(rank: int, directory: str, body) -> None:
+    """The body of a forked rank process of a benchmark harness: ``body(out)`` fills the dict ``out``; it is
+    written to ``directory/result_rank<rank>.json``, or with the error and its traceback to
+    ``error_rank<rank>.json``; then the process exits at once (0 or 1; no atexit handlers of the parent's)."""
+    out: dict = {"rank": rank}
+    try:
+        body(out)
+        name = f"result_rank{rank}.json"
+    except BaseException as e:  # noqa: BLE001 - reported to the orchestrator
+        import traceback
+        out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        name = f"error_rank{rank}.json"
+    with open(os.path.join(directory, name), "w") as f:
+        json.dump(out, f)
+    os._exit(0 if "error" not in out else 1)
+
+
 def read_json(path):
     """The JSON in ``path``, or None when it is missing or unreadable (a process that died before writing)."""
     try:

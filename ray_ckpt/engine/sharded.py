@@ -230,7 +230,7 @@ def _chunk(t: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
     parts = torch.chunk(t, world, dim=dim)
     if rank < len(parts):
         return parts[rank]
-    return t.narrow(dim, t.shape[dim], 0) if t.shape[dim] else t.narrow(dim, 0, 0)
+    return t.narrow(dim, t.shape[dim], 0)
 
 
 def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: ShardSpec, *,
