@@ -202,6 +202,12 @@ def fsdp_loop(config: dict) -> None:
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
         T.train_step(W.KIND, model, opt, sched, s, rank)
+        if rank == 0:
+            with open(os.path.join(out, "progress.tmp"), "w") as f:
+                json.dump({"step": s + 1, "world": world}, f)
+            os.replace(os.path.join(out, "progress.tmp"), os.path.join(out, "progress.json"))
+        if config.get("step_sleep"):
+            time.sleep(config["step_sleep"])
     session.close()
     g = W.global_snapshot(model, opt)
     if rank == 0:

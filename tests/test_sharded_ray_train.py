@@ -67,3 +67,64 @@ def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):
     T.assert_same(reference[W.STEPS], start["state"], "resharded 2 -> 1")
     (final,) = _records(out2, "final")
     assert final["step"] == W.STEPS + 3 and final["world"] == 1
+
+
+@pytest.mark.long   # ~2 min: nodes added and removed; make reliability runs it
+def test_fsdp2_node_removed_elastic_run_reshards_and_continues(tmp_path, ray_cluster):  # noqa: F811
+    """Ray Train's elastic path (num_workers=(1, 2)): a node of a 2-worker FSDP2 run is removed, the group
+    restarts with one worker, attach reshards the 2-rank shards to 1 and training goes on to the end."""
+    import threading
+    import time
+
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from tests.test_ray_train_e2e import _progress, _refresh_train_autoscaling_view
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    steps = 40
+    mp.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), steps), nprocs=2, join=True)
+    reference = torch.load(ref_dir / "global.pt", weights_only=False)
+    nodes = [ray_cluster.add_node(num_cpus=2, object_store_memory=150 << 20, resources={"elastic_fsdp": 1})
+             for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    deadline = time.time() + 120
+    while ray.available_resources().get("elastic_fsdp", 0) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    _refresh_train_autoscaling_view()
+    out = tmp_path / "out"
+    out.mkdir()
+    removed = {}
+
+    def remove_when_running():
+        end = time.time() + 300
+        while time.time() < end:
+            p = _progress(out)
+            if p["step"] >= 12 and p["world"] == 2:
+                removed["at"] = p["step"]
+                ray_cluster.remove_node(nodes[1])
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=remove_when_running, daemon=True)
+    t.start()
+    trainer = TorchTrainer(
+        fsdp_loop, train_loop_config={"steps": steps, "out": str(out), "step_sleep": 0.1},
+        scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1, "elastic_fsdp": 1}),
+        run_config=RunConfig(name=f"fsdp-elastic-{uuid.uuid4().hex[:6]}", storage_path=str(tmp_path / "rt"),
+                             failure_config=FailureConfig(max_failures=3),
+                             callbacks=[ray_ckpt.train.RayCkptCallback(tmp_path / "ckpt", full_every=W.FULL_EVERY,
+                                                                       batch_steps=W.BATCH)]))
+    result = trainer.fit()
+    t.join(timeout=5)
+    ray_cluster.remove_node(nodes[0])
+    assert result.error is None, result.error
+    assert "at" in removed, ("the run never reached step 12 with 2 workers", _progress(out))
+    resumed = [d for d in _records(out, "start") if d["restored"]]
+    assert resumed and all(d["world"] == 1 for d in resumed), [(d["step"], d["world"]) for d in resumed]
+    step = resumed[0]["step"]
+    assert removed["at"] - 2 * W.BATCH <= step <= removed["at"], (step, removed)
+    T.assert_same(reference[step], resumed[0]["state"], f"resharded 2 -> 1 at step {step}")
+    (final,) = _records(out, "final")
+    assert final["step"] == steps and final["world"] == 1
