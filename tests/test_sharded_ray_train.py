@@ -1,5 +1,6 @@
 """FSDP2 under Ray Train with RayCkptCallback (issue #15): a SIGKILLed worker, the group restarted, training
-continues bit for bit; then the run resumed by a new driver at fewer workers (2 -> 1), resharded, bitwise."""
+continues bit for bit; then the run resumed by a new driver at fewer workers (2 -> 1), resharded, bitwise; and
+(long) Ray Train's elastic path after a node loss, resharded 2 -> 1."""
 from __future__ import annotations
 
 import glob
