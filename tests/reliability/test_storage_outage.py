@@ -156,7 +156,13 @@ def test_an_outage_costs_time_not_data_local_runtime(s3_server, outage, caplog, 
             lag = _train_through_outage(ck, model, opt, sch, outage, outage_s=outage_s)
             assert lag >= 15, lag            # stats() showed the durable lag during the outage
         assert ck.last_committed_step == 40 and ck.stats()["durable_lag_steps"] == 0
-    assert "retrying" in caplog.text and "succeeded after" in caplog.text
+    if outage_s >= OUTAGE_S:   # longer than the S3 client's own retries: ray_ckpt's retry layer saw and said it
+        assert "retrying" in caplog.text and "succeeded after" in caplog.text
+    else:
+        # a 6 s outage can be absorbed inside one write call by the client's own retries (s3fs's backoff around
+        # botocore's 3 attempts), so ray_ckpt's layer may see no failure at all (twice in ~8 full runs on 2
+        # cores: no WARNING captured, nothing lost); when it does see one it reports both ends
+        assert ("retrying" in caplog.text) == ("succeeded after" in caplog.text), caplog.text
     _assert_every_step(uri, opts, ref, range(41))
     record(f"S3 outage {outage_s:.0f} s (runtime=local)", trials=1, recovered=1, bitwise=1, steps_lost=[0],
            max_stall_s=ck.stats()["stall_seconds"])
