@@ -9,6 +9,21 @@ import time
 import torch
 
 
+def _write_progress(out: str, step: int, world: int) -> None:
+    """Rank 0's progress, read by tests that act at a step (remove a node...): written atomically."""
+    with open(os.path.join(out, "progress.tmp"), "w") as f:
+        json.dump({"step": step, "world": world}, f)
+    os.replace(os.path.join(out, "progress.tmp"), os.path.join(out, "progress.json"))
+
+
+def _kill_once(out: str) -> None:
+    """SIGKILL this worker the first time it gets here in a run (the marker file survives the restart)."""
+    marker = os.path.join(out, "killed")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
@@ -35,17 +50,12 @@ def train_loop(config: dict) -> None:
                os.path.join(out, f"start-{attempt}.pt"))
     for s in range(session.start_step, steps):
         if s == config.get("kill_at") and rank == config.get("kill_rank", 1):
-            marker = os.path.join(out, "killed")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
+            _kill_once(out)
         T.train_step(kind, net, opt, sched, s, rank)
         if rank == 0:
             if config.get("snap_all"):
                 torch.save(T.snapshot(model, opt, sched), os.path.join(out, f"ref-{s + 1}.pt"))
-            with open(os.path.join(out, "progress.tmp"), "w") as f:
-                json.dump({"step": s + 1, "world": world}, f)
-            os.replace(os.path.join(out, "progress.tmp"), os.path.join(out, "progress.json"))
+            _write_progress(out, s + 1, world)
         if config.get("step_sleep"):
             time.sleep(config["step_sleep"])
     session.close()
@@ -85,10 +95,7 @@ def continuation_loop(config: dict) -> None:
     while pos.pos < iters:
         i = pos.pos
         if i == config.get("kill_at") and rank == config.get("kill_rank", 1):
-            marker = os.path.join(out, "killed")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
+            _kill_once(out)
         pos.pos += 1
         loss = T.loss_fn("mlp_do", net, T.sample_batch("mlp_do", rank))
         opt.zero_grad(set_to_none=True)
@@ -135,10 +142,7 @@ def loader_training(session_factory, config: dict) -> dict:
     while epoch.pos < LOADER_EPOCHS:
         for x, y in loader:
             if session is not None and step == config.get("kill_at"):
-                marker = os.path.join(config["out"], "killed")
-                if not os.path.exists(marker):
-                    open(marker, "w").close()
-                    os.kill(os.getpid(), signal.SIGKILL)
+                _kill_once(config["out"])
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
@@ -197,15 +201,10 @@ def fsdp_loop(config: dict) -> None:
                    os.path.join(out, f"start-{attempt}.pt"))
     for s in range(session.start_step, steps):
         if s == config.get("kill_at") and rank == 1:
-            marker = os.path.join(out, "killed")
-            if not os.path.exists(marker):
-                open(marker, "w").close()
-                os.kill(os.getpid(), signal.SIGKILL)
+            _kill_once(out)
         T.train_step(W.KIND, model, opt, sched, s, rank)
         if rank == 0:
-            with open(os.path.join(out, "progress.tmp"), "w") as f:
-                json.dump({"step": s + 1, "world": world}, f)
-            os.replace(os.path.join(out, "progress.tmp"), os.path.join(out, "progress.json"))
+            _write_progress(out, s + 1, world)
         if config.get("step_sleep"):
             time.sleep(config["step_sleep"])
     session.close()

@@ -111,34 +111,47 @@ def _refresh_train_autoscaling_view():
     ray.get(actor.get_reserved_resources.remote("ray-ckpt-test-probe", recompute=True), timeout=30)
 
 
-def test_node_removed_elastic_run_continues_from_exact_step(tmp_path, reference, ray_cluster):  # noqa: F811
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-    nodes = [ray_cluster.add_node(num_cpus=2, object_store_memory=150 << 20, resources={"elastic": 1})
-             for _ in range(2)]
+def add_elastic_nodes(ray_cluster, resource: str, n: int = 2) -> list:
+    """``n`` 2-CPU nodes carrying ``resource``, every one schedulable when this returns (an elastic run starts
+    with what is free when fit() starts)."""
+    nodes = [ray_cluster.add_node(num_cpus=2, object_store_memory=150 << 20, resources={resource: 1})
+             for _ in range(n)]
     ray_cluster.wait_for_nodes()
-    # both workers must be placeable when fit() starts (an elastic run starts with what is free at that moment)
     deadline = time.time() + 120
-    while ray.available_resources().get("elastic", 0) < 2 and time.time() < deadline:
+    while ray.available_resources().get(resource, 0) < n and time.time() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("elastic", 0) >= 2, ray.available_resources()
+    assert ray.available_resources().get(resource, 0) >= n, ray.available_resources()
     _refresh_train_autoscaling_view()
-    out = tmp_path / "out"
-    out.mkdir()
-    removed = {}
+    return nodes
+
+
+def remove_node_at(ray_cluster, node, out, step: int, world: int = 2) -> tuple[threading.Thread, dict]:
+    """A started thread that removes ``node`` once rank 0's progress file (in ``out``) says ``step`` was reached
+    with ``world`` workers; ``removed["at"]`` is then the step it saw."""
+    removed: dict = {}
 
     def remove_when_running():
         deadline = time.time() + 300
         while time.time() < deadline:
             p = _progress(out)
-            if p["step"] >= 12 and p["world"] == 2:
+            if p["step"] >= step and p["world"] == world:
                 removed["at"] = p["step"]
-                ray_cluster.remove_node(nodes[1])
+                ray_cluster.remove_node(node)
                 return
             time.sleep(0.05)
 
     t = threading.Thread(target=remove_when_running, daemon=True)
     t.start()
+    return t, removed
+
+
+def test_node_removed_elastic_run_continues_from_exact_step(tmp_path, reference, ray_cluster):  # noqa: F811
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    nodes = add_elastic_nodes(ray_cluster, "elastic")
+    out = tmp_path / "out"
+    out.mkdir()
+    t, removed = remove_node_at(ray_cluster, nodes[1], out, 12)
     trainer = TorchTrainer(
         train_loop, train_loop_config={"kind": "mlp", "steps": STEPS, "out": str(out), "step_sleep": 0.1},
         scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1, "elastic": 1}),

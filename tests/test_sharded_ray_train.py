@@ -74,42 +74,19 @@ def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):
 def test_fsdp2_node_removed_elastic_run_reshards_and_continues(tmp_path, ray_cluster):  # noqa: F811
     """Ray Train's elastic path (num_workers=(1, 2)): a node of a 2-worker FSDP2 run is removed, the group
     restarts with one worker, attach reshards the 2-rank shards to 1 and training goes on to the end."""
-    import threading
-    import time
-
-    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from tests.test_ray_train_e2e import _progress, _refresh_train_autoscaling_view
+    from tests.test_ray_train_e2e import _progress, add_elastic_nodes, remove_node_at
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     steps = 40
     mp.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), steps), nprocs=2, join=True)
     reference = torch.load(ref_dir / "global.pt", weights_only=False)
-    nodes = [ray_cluster.add_node(num_cpus=2, object_store_memory=150 << 20, resources={"elastic_fsdp": 1})
-             for _ in range(2)]
-    ray_cluster.wait_for_nodes()
-    deadline = time.time() + 120
-    while ray.available_resources().get("elastic_fsdp", 0) < 2 and time.time() < deadline:
-        time.sleep(0.2)
-    _refresh_train_autoscaling_view()
+    nodes = add_elastic_nodes(ray_cluster, "elastic_fsdp")
     out = tmp_path / "out"
     out.mkdir()
-    removed = {}
-
-    def remove_when_running():
-        end = time.time() + 300
-        while time.time() < end:
-            p = _progress(out)
-            if p["step"] >= 12 and p["world"] == 2:
-                removed["at"] = p["step"]
-                ray_cluster.remove_node(nodes[1])
-                return
-            time.sleep(0.05)
-
-    t = threading.Thread(target=remove_when_running, daemon=True)
-    t.start()
+    t, removed = remove_node_at(ray_cluster, nodes[1], out, 12)
     trainer = TorchTrainer(
         fsdp_loop, train_loop_config={"steps": steps, "out": str(out), "step_sleep": 0.1},
         scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1, "elastic_fsdp": 1}),
