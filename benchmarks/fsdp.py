@@ -80,6 +80,7 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
 
     import ray_ckpt
     from benchmarks.worker import dir_bytes
+    from ray_ckpt.engine.sharded import local
     torch.set_num_threads(cell["threads"])
     dist.init_process_group("gloo", init_method=f"file://{cell['dir']}/pg_store", rank=rank,
                             world_size=cell["world"])
@@ -162,9 +163,9 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
     out["restored_step"] = ray_ckpt.restore(uri, job2.model, opt2, scheduler=sched2)
     out["restore_latest_s"] = time.perf_counter() - t0
     live = reps["r"][0].model
-    out["restore_bitwise"] = all(torch.equal(p.to_local(), q.to_local())
+    out["restore_bitwise"] = all(torch.equal(local(p), local(q))
                                  for p, q in zip(job2.model.parameters(), live.parameters())) and all(
-        torch.equal(a.to_local() if hasattr(a, "to_local") else a, b.to_local() if hasattr(b, "to_local") else b)
+        torch.equal(local(a), local(b))
         for sa, sb in zip(opt2.state.values(), reps["r"][1].state.values()) for a, b in zip(sa.values(), sb.values()))
     ok = torch.tensor([1 if out["restore_bitwise"] else 0])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)

@@ -257,6 +257,7 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
         raise NoCheckpointError(f"no step at or before {candidates[0]} of the sharded state under "
                                 f"{storage.describe()} can be read on rank {spec.rank}")
     first = shards[sources[0]]
+    own = shards.get(spec.rank)   # None when the saved world had no rank of this number
     if [tuple(s) for s in first.sharding["shapes"]] != list(spec.shapes) or \
             list(first.sharding["dims"]) != list(spec.dims):
         raise ValueError("the saved sharded state does not match this model: parameter shapes or shard dimensions "
@@ -281,10 +282,9 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
                 raise ValueError(f"parameter {name!r}: this rank holds a {tuple(dst.shape)} shard, the saved state "
                                  f"gives {tuple(value.shape)} (not torch.chunk placement?)")
             dst.copy_(value)
-        own = shards.get(spec.rank, first)
         for name, b in model.named_buffers():
-            if name in own.model:
-                b.copy_(own.model[name])
+            if name in (own or first).model:
+                b.copy_((own or first).model[name])
     # the optimizer: every state tensor of a parameter's shape is resharded like it; scalars are rank 0's
     sd_first = first.optimizer
     state: dict = {}
@@ -305,8 +305,7 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
                 out[key] = v
         state[i] = out
     optimizer.load_state_dict({"state": state, "param_groups": sd_first["param_groups"]})
-    own = shards.get(spec.rank)
-    loop = own.loop if own is not None else first.loop
+    loop = (own or first).loop
     apply_loop(loop, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                restore_rng=restore_rng)
     if own is None and restore_rng:
