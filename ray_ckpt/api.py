@@ -51,9 +51,10 @@ class Checkpointer:
     and ``run`` given it is shared by the writers of that run (a restarted worker group continues).
 
     Sharded state (FSDP2 ``fully_shard``: parameters are DTensor shards on a 1-D mesh): create a Checkpointer on
-    every rank; each writes its own shard lineage below ``uri`` (``shards/w<world>/r<rank>/``) with
-    ``runtime="local"`` and LowDiff, and :func:`restore` on every rank of any world size restores the newest step
-    all saved ranks hold, resharding when the world size changed (see :mod:`ray_ckpt.engine.sharded`).
+    every rank; each writes its own shard lineage below ``uri`` (``shards/w<world>/r<rank>/``) with LowDiff, and
+    :func:`restore` on every rank of any world size restores the newest step all saved ranks hold, resharding
+    when the world size changed (see :mod:`ray_ckpt.engine.sharded`). With ``runtime="ray"`` every shard lineage
+    is a run of its own (``run`` + ``:shard-w<world>-r<rank>``): its coordinator, node workers and replica.
 
     Storage writes are retried with backoff for ``write_timeout`` seconds (default 300): an outage shorter than
     that costs time (the training thread waits once ``max_pending_bytes`` is held), never data; beyond it
@@ -83,7 +84,7 @@ class Checkpointer:
             raise ValueError(f"runtime must be 'local' (a writer thread in this process) or 'ray' (persistence "
                              f"actors), got {runtime!r}")
         if shard_spec is not None:
-            _check_sharded_support(runtime, impl)
+            _check_sharded_support(impl)
         self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
                                                max_pending_bytes=max_pending_bytes, capture_rng=capture_rng,
                                                memory_budget=memory_budget, keep_fulls=keep_fulls,
@@ -100,6 +101,8 @@ class Checkpointer:
         if shard_spec is not None:   # FSDP2: this rank's shard lineage (see ray_ckpt.engine.sharded)
             _sharded.mark_world(self.storage, shard_spec)
             self.storage = _sharded.shard_storage(self.storage, shard_spec.world, shard_spec.rank)
+            if runtime == "ray":     # a run per shard lineage: its coordinator, node workers and replica
+                run = _sharded.shard_run(run, shard_spec.world, shard_spec.rank)
         self.uri = self.storage.describe()
         if start_step is None:
             start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)
@@ -296,7 +299,9 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
 
     Sharded (FSDP2) ``model``/``optimizer``: call on every rank; each restores its shards of ``step`` (None: the
     newest step every saved rank holds; a step one rank lacks raises NoCheckpointError) from storage, at the saved
-    world size or resharded to this one. No collectives: every rank decides from storage alone.
+    world size or resharded to this one. No collectives: every rank decides from storage alone — with
+    ``runtime="ray"`` from storage and the shard runs' coordinators (memory tier; a shard's replica gives its
+    state at the step without replay).
     """
     t0 = time.perf_counter()
     model = _unwrap(model)
@@ -305,14 +310,21 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     uri, step = _from_pointer(uri, step)
     storage = open_uri(uri, storage_options)
     if shard_spec is not None:
-        if runtime != "local":
-            raise NotImplementedError("sharded (FSDP2) state restores with runtime='local' (from storage); "
-                                      "runtime='ray' is not supported for it yet")
+        memory = None
+        if runtime == "ray":
+            from ray_ckpt.runtime.client import ShardedMemoryTier
+            memory = ShardedMemoryTier(run)
+        elif runtime != "local":
+            raise ValueError(f"runtime must be 'local' or 'ray', got {runtime!r}")
         out = _sharded.restore_sharded(storage, model, optimizer, shard_spec, step=step, scheduler=scheduler,
                                        scaler=scaler, extra_state=extra_state, fallback=fallback,
-                                       restore_rng=restore_rng)
-        log.info("ray_ckpt: restored step %d (sharded) from %s in %.3f s", out, storage.describe(),
-                 time.perf_counter() - t0)
+                                       restore_rng=restore_rng, memory=memory)
+        dt = time.perf_counter() - t0
+        log.info("ray_ckpt: restored step %d (sharded) from %s in %.3f s%s", out, storage.describe(), dt,
+                 "" if memory is None else f" (shard objects: {memory.tiers})")
+        if memory is not None:
+            from ray_ckpt.runtime.client import record_restore
+            record_restore(storage, run, dt)
         return out
     chain = None
     if runtime == "ray":
@@ -423,11 +435,8 @@ def _check_params(optimizer: torch.optim.Optimizer) -> "_sharded.ShardSpec | Non
     return None
 
 
-def _check_sharded_support(runtime: str, impl) -> None:
-    """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards) with runtime='local'."""
-    if runtime != "local":
-        raise NotImplementedError("sharded (FSDP2) state is checkpointed with runtime='local' (each rank writes "
-                                  "its shard lineage from a thread); runtime='ray' is not supported for it yet")
+def _check_sharded_support(impl) -> None:
+    """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards)."""
     if impl.name != "lowdiff":
         raise NotImplementedError(f"sharded (FSDP2) state is checkpointed with LowDiff; {impl.name!r} is not "
                                   f"supported for it yet")

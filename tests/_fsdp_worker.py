@@ -144,7 +144,7 @@ def refused(rank, world, port, uri, out):
     _init(rank, world, port)
     try:
         model, opt, sch = fsdp_model(0)
-        for kwargs, words in (({"runtime": "ray"}, "runtime='ray'"), ({"strategy": ray_ckpt.Amber()}, "amber")):
+        for kwargs, words in (({"strategy": ray_ckpt.Amber()}, "amber"),):
             try:
                 ray_ckpt.Checkpointer(uri, model, opt, **kwargs)
             except NotImplementedError as e:
@@ -185,3 +185,69 @@ def corrupt_shard_agreement(rank, world, port, uri, out, expect):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _ray(address):
+    import ray
+    ray.init(address=address, namespace="ray_ckpt_tests", log_to_driver=False)
+
+
+def ray_train_and_restore(rank, world, port, uri, out, address, run):
+    """World 2 with ``runtime="ray"``: each rank's shard lineage is a run of its own (coordinator, node worker,
+    replica). While the Checkpointers are still attached (steps held in the memory tier), every rank restores
+    the latest step through the shard runs: from each shard's replica, nothing replayed, bitwise; an older step
+    bitwise too; then the lineage is closed."""
+    from ray_ckpt.engine.sharded import restore_sharded, spec_of
+    from ray_ckpt.runtime.client import ShardedMemoryTier
+    from ray_ckpt.storage import open_storage
+    _init(rank, world, port)
+    _ray(address)
+    try:
+        model, opt, sch = fsdp_model(0)
+        ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
+                                   policy="fixed", runtime="ray", run=run)
+        local = {0: local_snapshot(model, opt, sch)}
+        glob = {0: global_snapshot(model, opt)}
+        for s in range(STEPS):
+            T.train_step(KIND, model, opt, sch, s, rank)
+            local[s + 1] = local_snapshot(model, opt, sch)
+            glob[s + 1] = global_snapshot(model, opt)
+        torch.save(local, os.path.join(out, f"local-{rank}.pt"))
+        if rank == 0:
+            torch.save(glob, os.path.join(out, "global.pt"))
+        ck._capture.flush_pending()
+        ck._writer.wait_safe()      # handed over and held (not necessarily durable)
+        dist.barrier()
+        m2, o2, s2 = fsdp_model(42)
+        tier = ShardedMemoryTier(run)
+        assert restore_sharded(open_storage(uri), m2, o2, spec_of(o2), scheduler=s2,
+                               memory=tier) == STEPS
+        T.assert_same(local[STEPS], local_snapshot(m2, o2, s2), f"rank {rank} latest from the replica")
+        assert tier.tiers["replica"] == 1 and tier.tiers["replayed"] == 0, tier.tiers
+        m3, o3, s3 = fsdp_model(43)
+        assert ray_ckpt.restore(uri, m3, o3, scheduler=s3, step=RESUME_AT, runtime="ray", run=run) == RESUME_AT
+        T.assert_same(local[RESUME_AT], local_snapshot(m3, o3, s3), f"rank {rank} step {RESUME_AT}")
+        dist.barrier()
+        ck.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        import ray
+        ray.shutdown()
+
+
+def ray_restore_at_world(rank, world, port, uri, out, address, run):
+    """Another world size with ``runtime="ray"``: every saved shard is loaded through its shard run (replica),
+    resharded, and the gathered global state equals the saved world's, bitwise."""
+    _init(rank, world, port)
+    _ray(address)
+    try:
+        glob = torch.load(os.path.join(out, "global.pt"), weights_only=False)
+        m2, o2, s2 = fsdp_model(99)
+        assert ray_ckpt.restore(uri, m2, o2, scheduler=s2, runtime="ray", run=run) == STEPS
+        T.assert_same(glob[STEPS], global_snapshot(m2, o2), f"world {world} rank {rank} latest")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        import ray
+        ray.shutdown()

@@ -7,10 +7,13 @@ import glob
 import uuid
 
 import pytest
+import ray
 import torch
 import torch.multiprocessing as mp
 
 import ray_ckpt.train
+from ray_ckpt.engine import sharded
+from ray_ckpt.runtime import naming
 from tests import _fsdp_worker as W, _training as T
 from tests._train_fn import fsdp_loop
 
@@ -48,6 +51,10 @@ def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):
                   max_failures=1)
     assert result.error is None, result.error
     assert (out / "killed").exists()
+    for rank in range(2):   # runtime="ray": every shard lineage checkpointed through a run of its own
+        shard = sharded.shard_run(name, 2, rank)
+        ray.get_actor(naming.coordinator_name(shard), namespace=naming.NAMESPACE)
+        ray.get_actor(naming.replica_name(shard), namespace=naming.NAMESPACE)
     starts = _records(out, "start")
     resumed = [d for d in starts if d["restored"]]
     assert len(resumed) == 1 and resumed[0]["world"] == 2, [(d["step"], d["restored"]) for d in starts]

@@ -110,7 +110,7 @@ def fingerprint(params: Iterable[torch.Tensor]) -> torch.Tensor:
     process for the same shapes."""
     parts = []
     for p in params:
-        flat = p.detach().reshape(-1)
+        flat = _local(p.detach()).reshape(-1)   # FSDP2: this rank's shard (what its replica holds)
         n = flat.numel()
         if n == 0:
             continue

@@ -30,7 +30,9 @@ the rank's own when the saved world had that rank, else rank 0's with RNG stream
 (:func:`ray_ckpt.engine.rankloop.derive_rng`).
 
 Supported: 1-D meshes, ``Shard(d)`` placements, optimizers whose state tensors have their parameter's shape or
-are scalars (SGD, Adam, AdamW, ...), ``runtime="local"``. Where calls run: the training process of each rank.
+are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"`` every shard lineage is a run of its own
+(:func:`shard_run`: its coordinator, node workers and state-tier replica), and restores go through the shard
+runs (:class:`ray_ckpt.runtime.client.ShardedMemoryTier`). Where calls run: the training process of each rank.
 """
 from __future__ import annotations
 
@@ -122,6 +124,13 @@ def shard_storage(storage, world: int, rank: int) -> PrefixedStorage:
     return PrefixedStorage(storage, f"{SHARDS_DIR}w{world:05d}/r{rank:05d}/")
 
 
+def shard_run(run: str | None, world: int, rank: int) -> str | None:
+    """The Ray runtime's run of one shard lineage (``runtime="ray"``: its coordinator, node workers and replica).
+    A named run gets a name per shard; None keeps the default, derived from the shard storage's URI (itself
+    unique per shard)."""
+    return None if run is None else f"{run}:shard-w{world:05d}-r{rank:05d}"
+
+
 def mark_world(storage, spec: ShardSpec) -> None:
     """Record that shard lineages of ``spec.world`` ranks exist (each rank writes the same marker at attach)."""
     body = {"world": spec.world, "shapes": [list(s) for s in spec.shapes], "dims": list(spec.dims)}
@@ -208,9 +217,14 @@ class _Replayed:
     sharding: dict
 
 
-def _replay_shard(storage, world: int, rank: int, step: int, device: torch.device) -> _Replayed:
+def _load_from_storage(storage, world: int, rank: int, step: int):
+    return resolve_and_load(shard_storage(storage, world, rank), step, fallback=False)
+
+
+def _replay_shard(storage, world: int, rank: int, step: int, device: torch.device, load=_load_from_storage
+                  ) -> _Replayed:
     from ray_ckpt.engine.shadow import rebuild
-    chain = resolve_and_load(shard_storage(storage, world, rank), step, fallback=False)
+    chain = load(storage, world, rank, step)
     if chain.step != step:
         raise NoCheckpointError(f"rank {rank} of world {world} restores step {chain.step}, not {step}")
     layout = chain.full.layout or {}
@@ -235,18 +249,24 @@ def _chunk(t: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
 
 def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: ShardSpec, *,
                     step: int | None = None, scheduler: Any = None, scaler: Any = None, extra_state: Any = None,
-                    fallback: bool = False, restore_rng: bool = True) -> int:
+                    fallback: bool = False, restore_rng: bool = True, memory=None) -> int:
     """Restore this rank's shards of ``model``/``optimizer`` (FSDP2) to ``step`` (None = latest step complete on
     every saved rank), from the saved world size that holds it, resharding when it differs from ``spec.world``.
-    Returns the step. Training process of each rank; no collectives (every rank decides from storage alone)."""
+    Returns the step. Training process of each rank; no collectives (every rank decides from storage alone).
+
+    ``memory`` (``runtime="ray"``, see :class:`ray_ckpt.runtime.client.ShardedMemoryTier`): the shard runs'
+    coordinators, which may hold newer steps than storage in their memory tier and replicas; its ``choose``
+    gives ``(world, steps)`` or None, its ``load`` one shard's chain (a replica snapshot needs no replay)."""
     check_not_attached(optimizer)
-    world, candidates = choose_world(storage, step, strict=not fallback, at_most=fallback)
+    world, candidates = choose_world(storage, step, strict=not fallback, at_most=fallback) \
+        if memory is None else memory.choose(storage, step, fallback=fallback)
+    load = _load_from_storage if memory is None else memory.load
     params = [p for g in optimizer.param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
     sources = [spec.rank] if world == spec.world else list(range(world))
     for step in candidates:
         try:
-            shards = {r: _replay_shard(storage, world, r, step, device) for r in sources}
+            shards = {r: _replay_shard(storage, world, r, step, device, load) for r in sources}
             break
         except (CorruptObjectError, ObjectNotFound, ManifestError) as e:
             if not fallback:

@@ -322,7 +322,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     t0 = time.perf_counter()
     if sharded:
         start, restored = sharded_agreed_restore(storage, model, optimizer, scheduler=scheduler,
-                                                 extra_state=extra_state, scaler=scaler)
+                                                 extra_state=extra_state, scaler=scaler, run=run,
+                                                 runtime="ray")
     else:
         start, restored = agreed_restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
                                          scaler=scaler, run=run)
@@ -331,10 +332,10 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
         log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, restore_seconds)
     ck = recorder = None
     if sharded:
-        # FSDP2: every rank writes its own shard lineage (with its own loop state) from a thread of its process;
-        # the writer leases are the run's, so a restarted worker group takes them over without ceremony
+        # FSDP2: every rank checkpoints its own shard lineage (with its own loop state) through a run of its own
+        # (its coordinator, its node's persistence worker, its replica), so a restarted worker group continues
         ck = Checkpointer(storage, model, optimizer, scheduler=scheduler, strategy=strategy,
-                          extra_state=extra_state, scaler=scaler, start_step=start, runtime="local", run=run,
+                          extra_state=extra_state, scaler=scaler, start_step=start, runtime="ray", run=run,
                           full_every=policy.full_every, batch_steps=policy.batch_steps)
     else:
         if rank == 0:
@@ -466,12 +467,13 @@ _AGREE_ROUNDS = 3
 
 
 def sharded_agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=None,
-                           scaler=None) -> tuple[int, bool]:
+                           scaler=None, run: str | None = None, runtime: str = "local") -> tuple[int, bool]:
     """:func:`agreed_restore` for sharded (FSDP2) state: each rank restores its shards of the newest step that
     every saved rank holds (:func:`ray_ckpt.engine.sharded.restore_sharded` decides from storage alone, so every
-    rank reaches the same decision), resharding when the world size changed; the ranks then exchange their
-    outcome: a rank that fell back further (a missing or corrupt object of its shards) brings every rank to the
-    step it reached; every rank raises :class:`RestoreError` unless all restored one step (or all start from
+    rank reaches the same decision; with ``runtime="ray"`` from storage and the coordinators of the shard runs of
+    ``run``, whose replicas give each shard's state without replay), resharding when the world size changed; the
+    ranks then exchange their outcome: a rank that fell back further (a missing or corrupt object of its shards)
+    brings every rank to the step it reached; every rank raises :class:`RestoreError` unless all restored one step (or all start from
     scratch). Training process of each rank (collective when ``torch.distributed`` is initialized)."""
     import torch.distributed as dist
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -479,7 +481,7 @@ def sharded_agreed_restore(storage, model, optimizer, *, scheduler=None, extra_s
     for attempt in range(_AGREE_ROUNDS):
         try:   # fallback: a missing or corrupt object of this rank's shards costs steps, not the run
             outcome = ("step", restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
-                                       scaler=scaler, runtime="local", step=target, fallback=True))
+                                       scaler=scaler, runtime=runtime, run=run, step=target, fallback=True))
         except NoCheckpointError as e:
             outcome = ("fresh", str(e))
         except Exception as e:  # noqa: BLE001 - exchanged with the other ranks, then raised on all

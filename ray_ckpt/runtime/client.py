@@ -214,3 +214,89 @@ def record_restore(storage, run: str | None, seconds: float) -> None:
     _metrics.add("ray_ckpt_restores", 1, tags)
     _metrics.observe("ray_ckpt_restore_seconds", [seconds], tags)
 
+
+
+class ShardedMemoryTier:
+    """``runtime="ray"`` restores of sharded (FSDP2) state: every shard lineage is a run of its own (its
+    coordinator, node workers and replica; :func:`ray_ckpt.engine.sharded.shard_run`), so the steps a restore may
+    take are those every shard run's coordinator plans (newer than storage while diffs are held in memory), and
+    each shard's chain is loaded as :func:`load_via_coordinator` loads it (from its replica's state: nothing to
+    replay). Shards without a live coordinator are read from storage. Training process of each rank.
+    ``tiers`` counts what the loads used."""
+
+    def __init__(self, run: str | None, timeout: float = 60.0):
+        _require_ray()
+        self.run = run
+        self.timeout = timeout
+        self.tiers = {"memory": 0, "durable": 0, "replica": 0, "replayed": 0}
+
+    def _coordinators(self, storage, world: int) -> list | None:
+        from ray_ckpt.engine.sharded import shard_run, shard_storage
+        out = []
+        for rank in range(world):
+            c = coordinator(shard_storage(storage, world, rank), shard_run(self.run, world, rank))
+            if c is None:
+                return None
+            out.append(c)
+        return out
+
+    def _planned(self, storage, world: int, step: int | None) -> int | None:
+        """The newest step (``step`` itself when given) that every shard run of ``world`` plans, or None."""
+        coords = self._coordinators(storage, world)
+        if coords is None:
+            return None
+        try:
+            plans = ray.get([c.plan.remote(step) for c in coords], timeout=self.timeout)
+            if any("error" in p for p in plans):
+                return None
+            agreed = min(p["step"] for p in plans)
+            if step is None and any(p["step"] != agreed for p in plans):   # every shard must reach the slowest's
+                plans = ray.get([c.plan.remote(agreed) for c in coords], timeout=self.timeout)
+                if any("error" in p or p["step"] != agreed for p in plans):
+                    return None
+        except (ray.exceptions.RayError, TimeoutError) as e:   # a shard run's coordinator died with its node
+            log.info("ray_ckpt: the shard runs of world %d cannot plan (%s); using storage", world, e)
+            return None
+        return agreed
+
+    def choose(self, storage, step: int | None, *, fallback: bool = False) -> tuple[int, list[int]]:
+        """:func:`~ray_ckpt.engine.sharded.choose_world` with the shard runs' memory tier: a newer step that every
+        shard's coordinator plans wins over what storage holds; the storage steps stay as fallbacks."""
+        from ray_ckpt.engine.sharded import choose_world, saved_worlds
+        try:
+            world, steps = choose_world(storage, step, strict=not fallback, at_most=fallback)
+        except NoCheckpointError:
+            world, steps = None, []
+        best = None
+        for w in saved_worlds(storage):
+            s = self._planned(storage, w, step)
+            if s is not None and (best is None or s > best[1]):
+                best = (w, s)
+        if best is not None and (not steps or best[1] >= steps[0]):
+            w, s = best
+            return w, [s] + [x for x in steps if x < s and w == world]
+        if world is None:
+            what = "any step" if step is None else f"step {step}"
+            raise NoCheckpointError(f"no sharded checkpoint under {storage.describe()} holds {what} on every rank, "
+                                    f"in storage or in the memory tier of its shard runs")
+        return world, steps
+
+    def load(self, storage, world: int, rank: int, step: int) -> LoadedChain:
+        """Shard ``rank`` of ``world`` at ``step``: through its run's coordinator (memory tier, replica), else
+        from storage."""
+        from ray_ckpt.engine.restore import resolve_and_load
+        from ray_ckpt.engine.sharded import shard_run, shard_storage
+        ss = shard_storage(storage, world, rank)
+        try:
+            got = load_via_coordinator(ss, step, run=shard_run(self.run, world, rank), timeout=self.timeout)
+        except NoCheckpointError:
+            got = None
+        except (ray.exceptions.RayError, TimeoutError) as e:   # its coordinator is gone: storage has the chain
+            log.info("ray_ckpt: shard %d of world %d: no plan from its run (%s); reading storage", rank, world, e)
+            got = None
+        if got is None:
+            return resolve_and_load(ss, step, fallback=False)
+        chain, tiers = got
+        for k in self.tiers:
+            self.tiers[k] += tiers.get(k, 0)
+        return chain

@@ -1,0 +1,36 @@
+"""Sharded training state (FSDP2) with ``runtime="ray"`` (issue #15): every rank's shard lineage is a run of its
+own — its coordinator, its node's persistence worker, its replica on the peer node — and restores go through
+the shard runs: the latest step from each shard's replica (nothing replayed), older steps from the memory tier,
+and resharded 2 -> 1 from the shard replicas, bitwise."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import ray
+import torch.multiprocessing as mp
+
+from ray_ckpt.engine import sharded
+from ray_ckpt.runtime import naming
+from ray_ckpt.storage import open_storage
+from tests import _fsdp_worker as W, _training as T
+
+pytestmark = pytest.mark.ray
+
+
+def test_fsdp2_shard_runs_restore_from_their_replicas(tmp_path, ray_cluster):  # noqa: F811
+    uri, out = str(tmp_path / "ckpt"), str(tmp_path)
+    run = f"fsdp-ray-{uuid.uuid4().hex[:6]}"
+    mp.spawn(W.ray_train_and_restore, args=(2, T.free_port(), uri, out, ray_cluster.address, run), nprocs=2,
+             join=True)
+    # one run per shard: its coordinator and its replica, which runs on the peer of the trainer's node
+    me = ray.get_runtime_context().get_node_id()
+    for rank in range(2):
+        shard = sharded.shard_run(run, 2, rank)
+        ray.get_actor(naming.coordinator_name(shard), namespace=naming.NAMESPACE)
+        replica = ray.get_actor(naming.replica_name(shard), namespace=naming.NAMESPACE)
+        assert ray.get(replica.ping.remote()) != me
+    assert sharded.saved_worlds(open_storage(uri)) == [2]
+    # 2 -> 1: both saved shards come from their replicas, resharded
+    mp.spawn(W.ray_restore_at_world, args=(1, T.free_port(), uri, out, ray_cluster.address, run), nprocs=1,
+             join=True)
