@@ -46,9 +46,11 @@ bench-paired: $(STAMP)
 bench-scaling: $(STAMP)
 	$(PY) -m benchmarks.paired --scaling
 
-# FSDP2, a checkpoint every step: ray_ckpt's shard lineages vs DCP async_save vs none, interleaved (issue #15)
+# FSDP2, a checkpoint every step: ray_ckpt's shard lineages vs DCP async_save vs none, interleaved (issue #15);
+# then the same with runtime="ray" (shard runs on a private local Ray)
 bench-fsdp: $(STAMP)
 	$(PY) -m benchmarks.fsdp
+	$(PY) -m benchmarks.fsdp --runtime ray
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -3,14 +3,16 @@ interleaved in the same processes (issue #15's benchmark row).
 
     .venv/bin/python -m benchmarks.fsdp                 # make bench-fsdp: GPT 10.9M, 2 gloo ranks, ~10 min
     .venv/bin/python -m benchmarks.fsdp --quick         # a smoke run (small GPT, 3 rounds)
+    .venv/bin/python -m benchmarks.fsdp --runtime ray   # ray_ckpt through shard runs on a private local Ray
 
 Design (as :mod:`benchmarks.paired`): the same gloo processes train three identical FSDP2 replicas of the GPT
 example (``fully_shard`` per block and at the root; same seed, same batches, AdamW, a scheduler) and take turns
 in blocks of ``block_steps`` steps, the order rotating through all six permutations so that drift cancels:
 
-* **ray_ckpt**: a ``ray_ckpt.Checkpointer`` on every rank (its shard lineage, LowDiff, ``runtime="local"``, the
-  library's default policy), each block ending with a timed ``flush()`` (everything captured is written before
-  the block's clock stops: an upper bound of the amortized cost);
+* **ray_ckpt**: a ``ray_ckpt.Checkpointer`` on every rank (its shard lineage, LowDiff, ``runtime="local"`` —
+  or with ``--runtime ray`` a shard run per rank on a private one-node Ray: coordinator, node worker, replica —
+  the library's default policy), each block ending with a timed ``flush()`` (everything captured is written
+  before the block's clock stops: an upper bound of the amortized cost);
 * **dcp**: ``torch.distributed.checkpoint.async_save`` of ``get_state_dict(model, optimizer)`` after every step
   on every rank (its own gloo group for the planning collectives, as torchtitan does), each save waiting for the
   previous one; the block ends when its last save completed;
@@ -51,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="steps per arm before the first round")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores / world)")
     p.add_argument("--quick", action="store_true", help="3 rounds of 2 steps, small GPT unless --job (a smoke run)")
+    p.add_argument("--runtime", choices=("local", "ray"), default="local",
+                   help="ray_ckpt's runtime: 'ray' starts a private one-node Ray for the shard runs' actors")
+    p.add_argument("--object-store-mb", type=int, default=1024, help="the private Ray's object store (--runtime ray)")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     return p
@@ -89,7 +94,13 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
     total = w + rounds * k
     reps = {a: _replica(spec, total, seed=0) for a in "rnd"}
     uri = os.path.join(cell["dir"], "ckpt")
-    ck = ray_ckpt.Checkpointer(uri, reps["r"][0].model, reps["r"][1], scheduler=reps["r"][2])
+    rt = {}
+    if cell.get("ray_address"):
+        import ray
+        ray.init(address=cell["ray_address"], namespace="ray_ckpt_bench", log_to_driver=False,
+                 configure_logging=False)
+        rt = {"runtime": "ray", "run": "fsdp-bench"}
+    ck = ray_ckpt.Checkpointer(uri, reps["r"][0].model, reps["r"][1], scheduler=reps["r"][2], **rt)
     ck.flush()
     group = dist.new_group(backend="gloo")
     dcp_root = os.path.join(cell["dir"], "dcp")
@@ -133,6 +144,7 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
 
     for arm in "rnd":
         run(arm, 0, w)
+    ck.flush()
     st0 = ck.stats()
     bytes0 = pending["bytes"]
     saves0 = pending["saves"]
@@ -146,21 +158,32 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
         blocks.append({**{f"{a}_s": res[a][0] for a in "rnd"}, **{f"{a}_cpu_s": res[a][1] for a in "rnd"},
                        "order": "".join(order), "full": ck.stats()["trainer_fulls"] > fulls0})
     dist.barrier()
+    ck.flush()   # runtime="ray": what the workers and the replica hold is durable before the counters are read
     st = ck.stats()
     steps = rounds * k
-    mine = torch.tensor([float(st["diff_bytes"] - st0["diff_bytes"]), float(st["full_bytes"] - st0["full_bytes"]),
-                         float(st["capture_seconds"] - st0["capture_seconds"])], dtype=torch.float64)
+
+    def persisted(s: dict) -> tuple[float, float]:
+        """(diff, full) bytes this rank's lineage wrote: the writer's, or with runtime="ray" its node worker's
+        and its replica's (which takes the fulls)."""
+        if not rt:
+            return float(s["diff_bytes"]), float(s["full_bytes"])
+        w, r = s["runtime"].get("worker", {}), s["runtime"].get("replica", {})
+        return float(w.get("diff_bytes_written", 0)), float(w.get("full_bytes_written", 0)
+                                                            + r.get("full_bytes_written", 0))
+    (d1, f1), (d0, f0) = persisted(st), persisted(st0)
+    mine = torch.tensor([d1 - d0, f1 - f0, float(st["capture_seconds"] - st0["capture_seconds"]),
+                         float(_fulls(st, rt) - _fulls(st0, rt))], dtype=torch.float64)
     dist.all_reduce(mine)   # every rank's shard: the bytes of the whole step
     out.update(blocks=blocks, diff_bytes_per_step=float(mine[0]) / steps, full_bytes_per_step=float(mine[1]) / steps,
                capture_ms_per_step=1e3 * float(mine[2]) / steps / cell["world"],
-               fulls=st["trainer_fulls"] - st0["trainer_fulls"],
+               fulls=int(mine[3]) // cell["world"],
                dcp_bytes_per_step=(pending["bytes"] - bytes0) / max(1, pending["saves"] - saves0))
     ck.close()
     dist.barrier()
     # a restore of the latest step from the shards into fresh FSDP2 objects, bitwise against replica r
     job2, opt2, sched2 = _replica(spec, total, seed=99)
     t0 = time.perf_counter()
-    out["restored_step"] = ray_ckpt.restore(uri, job2.model, opt2, scheduler=sched2)
+    out["restored_step"] = ray_ckpt.restore(uri, job2.model, opt2, scheduler=sched2, **rt)
     out["restore_latest_s"] = time.perf_counter() - t0
     live = reps["r"][0].model
     out["restore_bitwise"] = all(torch.equal(local(p), local(q))
@@ -171,15 +194,26 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     out["restore_bitwise_all_ranks"] = bool(ok.item())
     out["param_count"] = sum(p.numel() for p in live.parameters())
+    if rt:
+        out["runtime_stats"] = st.get("runtime")
     dcp_wait()
     dist.barrier()
     dist.destroy_process_group()
+    if rt:
+        import ray
+        ray.shutdown()
+
+
+def _fulls(st: dict, ray_runtime) -> int:
+    """Fulls taken so far: by the trainer, and with runtime="ray" by the replica too."""
+    rep = st.get("runtime", {}).get("replica", {}) if ray_runtime else {}
+    return st["trainer_fulls"] + rep.get("fulls_written", 0)
 
 
 def summarize(cell: dict, r0: dict) -> dict:
     blocks = r0["blocks"]
     out = {"job": cell["job"], "world": cell["world"], "threads": cell["threads"], "rounds": len(blocks),
-           "block_steps": cell["block_steps"],
+           "block_steps": cell["block_steps"], "runtime": cell.get("runtime", "local"),
            "step_s_ref_median": report._median([b["n_s"] / cell["block_steps"] for b in blocks]),
            **{k: r0.get(k) for k in ("param_count", "diff_bytes_per_step", "full_bytes_per_step", "capture_ms_per_step",
                                      "fulls", "dcp_bytes_per_step", "restored_step", "restore_latest_s",
@@ -216,7 +250,8 @@ def markdown(result: dict) -> str:
              f"(order rotating); reference step {c['step_s_ref_median']:.3f} s.", "",
              "| every step | overhead, wall (median, 95% CI) | training-thread CPU | bytes persisted per step |",
              "|---|---:|---:|---:|",
-             f"| ray_ckpt shards (LowDiff, default policy; {c['fulls']} fulls) | {_pct(c, 'ray_ckpt_wall')} | "
+             f"| ray_ckpt shards (LowDiff, runtime={c.get('runtime', 'local')!r}, default policy; {c['fulls']} "
+             f"fulls) | {_pct(c, 'ray_ckpt_wall')} | "
              f"{_pct(c, 'ray_ckpt_thread_cpu')} | {c['ray_ckpt_bytes_per_step'] / mb:.2f} MB "
              f"({(c['diff_bytes_per_step'] or 0) / mb:.2f} MB diffs"
              + (f"; a full {c['bytes_per_full'] / mb:.0f} MB" if c.get("bytes_per_full") else "") + ") |",
@@ -280,7 +315,13 @@ def main(argv=None) -> int:
     d = tempfile.mkdtemp(prefix="ray_ckpt_fsdp_")
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
     cell = {"dir": d, "job": spec.to_dict(), "world": args.world, "threads": threads, "rounds": args.rounds,
-            "block_steps": args.block_steps, "warmup": args.warmup}
+            "block_steps": args.block_steps, "warmup": args.warmup, "runtime": args.runtime}
+    host = None
+    if args.runtime == "ray":   # started before the ranks fork (they connect to it; nothing Ray in this process)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private cluster; every process that joins agrees
+        from benchmarks.rayhost import RayHost
+        host = RayHost(os.path.join(d, "rayhost"), num_cpus=args.world + 2, object_store_bytes=args.object_store_mb << 20)
+        cell["ray_address"] = host.start()
     jobs.preload(spec)
     print(f"[fsdp {time.strftime('%H:%M:%S')}] GPT {spec.size}, {args.world} ranks: {args.rounds} rounds x 3 blocks "
           f"x {args.block_steps} steps", flush=True)
@@ -290,7 +331,11 @@ def main(argv=None) -> int:
     procs = [fork.Process(target=worker, args=(r, cell)) for r in range(args.world)]
     for p in procs:
         p.start()
-    reap(procs, args.timeout)
+    try:
+        reap(procs, args.timeout)
+    finally:
+        if host is not None:
+            host.stop()
     res = [read_json(os.path.join(d, f"result_rank{r}.json")) or read_json(os.path.join(d, f"error_rank{r}.json"))
            or {"rank": r, "error": "no result (killed or timed out)"} for r in range(args.world)]
     shutil.rmtree(d, ignore_errors=True)
@@ -300,7 +345,7 @@ def main(argv=None) -> int:
               "wall_s": time.perf_counter() - t0,
               "cell": summarize(cell, res[0]) if "error" not in res[0] else None}
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, "fsdp_quick" if args.quick else "fsdp")
+    base = os.path.join(args.out, ("fsdp_quick" if args.quick else "fsdp") + ("_ray" if args.runtime == "ray" else ""))
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     if result["cell"] is not None:

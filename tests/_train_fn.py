@@ -207,7 +207,12 @@ def fsdp_loop(config: dict) -> None:
             _write_progress(out, s + 1, world)
         if config.get("step_sleep"):
             time.sleep(config["step_sleep"])
+    import ray
+
+    from ray_ckpt.runtime import naming
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     session.close()
     g = W.global_snapshot(model, opt)
     if rank == 0:
-        torch.save({"step": steps, "world": world, "state": g}, os.path.join(out, f"final-{attempt}.pt"))
+        torch.save({"step": steps, "world": world, "state": g, "shard_runs": naming.shard_runs(session.run, names)},
+                   os.path.join(out, f"final-{attempt}.pt"))

@@ -58,3 +58,28 @@ def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
 
 def test_fsdp2_unsupported_combinations_are_refused_before_writing(tmp_path):
     mp.spawn(W.refused, args=(1, T.free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=1, join=True)
+
+
+def test_reshard_reads_only_the_saved_shards_that_overlap():
+    """The chunk arithmetic of resharding matches torch.chunk (Shard(d)'s placement) for every length and world
+    size, and a rank reads exactly the saved shards that hold part of its new chunk."""
+    import torch
+    for length in range(0, 23):
+        t = torch.arange(length)
+        for world in range(1, 6):
+            parts = torch.chunk(t, world) if length else ()
+            for rank in range(world):
+                a, b = sharded._span(length, world, rank)
+                want = parts[rank].tolist() if rank < len(parts) else []
+                assert t[a:b].tolist() == want, (length, world, rank)
+            for new_world in range(1, 6):
+                for rank in range(new_world):
+                    a, b = sharded._span(length, new_world, rank)
+                    held = sharded._saved_ranks(length, world, new_world, rank)
+                    covered = [i for r in held for i in range(*sharded._span(length, world, r))]
+                    assert set(range(a, b)) <= set(covered), (length, world, new_world, rank)
+                    assert all(set(range(*sharded._span(length, world, r))) & set(range(a, b)) for r in held)
+    spec = sharded.ShardSpec(world=3, rank=0, shapes=((32, 4), (7,)), dims=(0, 0))
+    assert sharded._overlapping(spec, 2) == [0]            # [0, 11) and [0, 3) lie in saved shard 0
+    spec = sharded.ShardSpec(world=3, rank=2, shapes=((32, 4),), dims=(0,))
+    assert sharded._overlapping(spec, 2) == [0, 1]         # [22, 32) in shard 1; rank 0 for the loop state

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from ray_ckpt.engine import sharded
 from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.coordinator import shutdown_run
 from ray_ckpt.storage import open_storage
 from tests import _fsdp_worker as W, _training as T
 
@@ -34,3 +35,7 @@ def test_fsdp2_shard_runs_restore_from_their_replicas(tmp_path, ray_cluster):  #
     # 2 -> 1: both saved shards come from their replicas, resharded
     mp.spawn(W.ray_restore_at_world, args=(1, T.free_port(), uri, out, ray_cluster.address, run), nprocs=1,
              join=True)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert naming.shard_runs(run, names) == [sharded.shard_run(run, 2, r) for r in range(2)]
+    for shard in naming.shard_runs(run, names):
+        shutdown_run(shard)

@@ -51,10 +51,6 @@ def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):
                   max_failures=1)
     assert result.error is None, result.error
     assert (out / "killed").exists()
-    for rank in range(2):   # runtime="ray": every shard lineage checkpointed through a run of its own
-        shard = sharded.shard_run(name, 2, rank)
-        ray.get_actor(naming.coordinator_name(shard), namespace=naming.NAMESPACE)
-        ray.get_actor(naming.replica_name(shard), namespace=naming.NAMESPACE)
     starts = _records(out, "start")
     resumed = [d for d in starts if d["restored"]]
     assert len(resumed) == 1 and resumed[0]["world"] == 2, [(d["step"], d["restored"]) for d in starts]
@@ -63,6 +59,10 @@ def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):
     T.assert_same(reference[step], resumed[0]["state"], f"restored step {step}")
     finals = _records(out, "final")
     assert [d["step"] for d in finals] == [W.STEPS]
+    # runtime="ray": every shard lineage was checkpointed through a run of its own, whose actors the callback
+    # stopped when the run finished
+    assert finals[0]["shard_runs"] == [sharded.shard_run(name, 2, r) for r in range(2)], finals[0]["shard_runs"]
+    assert naming.shard_runs(name, [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]) == []
     T.assert_same(reference[W.STEPS], finals[0]["state"], "final state after the restart")
 
     # a new driver, one worker: the latest step restored from the 2-rank shards, then training goes on

@@ -23,8 +23,9 @@ complete step; ranks that fell back differently are brought to one step by
 on plain tensors of the training device with the same replay code as every restore
 (:func:`ray_ckpt.engine.shadow.rebuild` + :func:`ray_ckpt.engine.restore.replay`; on CPU this is bitwise the
 FSDP2 optimizer step, element-wise on the same local values). At the saved world size a rank replays its own
-shard; at another world size it replays every saved shard, concatenates them to the global tensors and takes
-its new chunk (each new rank reads all saved shards: simple, and the cost of resharding). The result is loaded
+shard; at another world size it replays the saved shards that overlap its new chunk of some parameter (plus its
+own saved rank, or rank 0, for the loop state), concatenates them and cuts its chunk out (:func:`_span`,
+``torch.chunk`` placement; a 2 -> 3 reshard reads 1 or 2 of the 2 saved shards per rank). The result is loaded
 into the live DTensors' local shards and the optimizer. Loop state (param groups, scheduler, RNG, extra state) is
 the rank's own when the saved world had that rank, else rank 0's with RNG streams derived from it and the rank
 (:func:`ray_ckpt.engine.rankloop.derive_rng`).
@@ -128,7 +129,8 @@ def shard_run(run: str | None, world: int, rank: int) -> str | None:
     """The Ray runtime's run of one shard lineage (``runtime="ray"``: its coordinator, node workers and replica).
     A named run gets a name per shard; None keeps the default, derived from the shard storage's URI (itself
     unique per shard)."""
-    return None if run is None else f"{run}:shard-w{world:05d}-r{rank:05d}"
+    from ray_ckpt.runtime.naming import shard_run_name   # names only: no Ray import
+    return None if run is None else shard_run_name(run, world, rank)
 
 
 def mark_world(storage, spec: ShardSpec) -> None:
@@ -238,13 +240,32 @@ def _replay_shard(storage, world: int, rank: int, step: int, device: torch.devic
     return _Replayed(model.state_dict(), optimizer.state_dict(), loop, sharding)
 
 
-def _chunk(t: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s chunk of ``t`` along ``dim`` as ``Shard(dim)`` places it (``torch.chunk``; ranks past the
-    last chunk get an empty one)."""
-    parts = torch.chunk(t, world, dim=dim)
-    if rank < len(parts):
-        return parts[rank]
-    return t.narrow(dim, t.shape[dim], 0)
+def _span(length: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s chunk of a dimension of ``length`` split over ``world`` ranks as
+    ``Shard(d)`` places it (``torch.chunk``: chunks of ``ceil(length / world)``, the last ones shorter or empty)."""
+    size = -(-length // world) if length else 0
+    start = min(rank * size, length)
+    return start, min(start + size, length)
+
+
+def _saved_ranks(length: int, saved_world: int, world: int, rank: int) -> list[int]:
+    """The saved ranks whose chunks overlap rank ``rank``'s chunk at ``world`` (a dimension of ``length``)."""
+    a, b = _span(length, world, rank)
+    out = []
+    for r in range(saved_world):
+        lo, hi = _span(length, saved_world, r)
+        if lo < b and a < hi:
+            out.append(r)
+    return out
+
+
+def _overlapping(spec: ShardSpec, saved_world: int) -> list[int]:
+    """The saved shards a rank of another world size reads: those overlapping its chunk of any parameter, plus
+    its own saved rank (its loop state) or else rank 0 (whose loop state it derives from)."""
+    need = {spec.rank if spec.rank < saved_world else 0}
+    for shape, dim in zip(spec.shapes, spec.dims):
+        need.update(_saved_ranks(shape[dim], saved_world, spec.world, spec.rank))
+    return sorted(need)
 
 
 def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: ShardSpec, *,
@@ -256,14 +277,15 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
 
     ``memory`` (``runtime="ray"``, see :class:`ray_ckpt.runtime.client.ShardedMemoryTier`): the shard runs'
     coordinators, which may hold newer steps than storage in their memory tier and replicas; its ``choose``
-    gives ``(world, steps)`` or None, its ``load`` one shard's chain (a replica snapshot needs no replay)."""
+    gives ``(world, steps)`` as :func:`choose_world` does, its ``load`` one shard's chain (a replica snapshot needs
+    no replay)."""
     check_not_attached(optimizer)
     world, candidates = choose_world(storage, step, strict=not fallback, at_most=fallback) \
         if memory is None else memory.choose(storage, step, fallback=fallback)
     load = _load_from_storage if memory is None else memory.load
     params = [p for g in optimizer.param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
-    sources = [spec.rank] if world == spec.world else list(range(world))
+    sources = [spec.rank] if world == spec.world else _overlapping(spec, world)
     for step in candidates:
         try:
             shards = {r: _replay_shard(storage, world, r, step, device, load) for r in sources}
@@ -283,11 +305,15 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
         raise ValueError("the saved sharded state does not match this model: parameter shapes or shard dimensions "
                          "differ (restore into the same model and optimizer layout)")
 
-    def mine(tensors_of, dim: int) -> torch.Tensor:
+    def mine(tensors_of, dim: int, length: int) -> torch.Tensor:
         if world == spec.world:
             return tensors_of(shards[spec.rank])
-        full = torch.cat([tensors_of(shards[r]) for r in range(world)], dim=dim)
-        return _chunk(full, dim, spec.world, spec.rank)
+        (a, b), held = _span(length, spec.world, spec.rank), _saved_ranks(length, world, spec.world, spec.rank)
+        if not held:   # this rank's chunk is empty: any saved shard gives the shape (narrowed to nothing)
+            part = tensors_of(first)
+            return part.narrow(dim, 0, 0)
+        part = torch.cat([tensors_of(shards[r]) for r in held], dim=dim)   # global [start of held[0], ...)
+        return part.narrow(dim, a - _span(length, world, held[0])[0], b - a)
 
     # the model: parameters (their local shards) and buffers (replicated: rank 0's, or this rank's)
     dim_of = {id(p): d for p, d in zip(params, spec.dims)}
@@ -296,7 +322,7 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
             if id(p) not in dim_of:
                 raise ValueError(f"model parameter {name!r} is not an optimizer parameter: it cannot be restored "
                                  f"from a sharded checkpoint")
-            value = mine(lambda s, n=name: s.model[n], dim_of[id(p)])
+            value = mine(lambda s, n=name: s.model[n], dim_of[id(p)], p.shape[dim_of[id(p)]])
             dst = local(p)
             if tuple(dst.shape) != tuple(value.shape):
                 raise ValueError(f"parameter {name!r}: this rank holds a {tuple(dst.shape)} shard, the saved state "
@@ -315,7 +341,8 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
         out = {}
         for key, v in st.items():
             if torch.is_tensor(v) and v.dim() > 0:
-                value = mine(lambda s, i=i, k=key: s.optimizer["state"][i][k], spec.dims[i])
+                value = mine(lambda s, i=i, k=key: s.optimizer["state"][i][k], spec.dims[i],
+                             spec.shapes[i][spec.dims[i]])
                 if tuple(value.shape) != tuple(local(p).shape):
                     raise ValueError(f"optimizer state {key!r} of parameter {i} has shape {tuple(value.shape)} "
                                      f"where the parameter's shard is {tuple(local(p).shape)}: only state of the "

@@ -103,6 +103,9 @@ class RayCkptCallback(ControllerCallback):
         try:
             coord.record_failure.remote({"decision": str(failure_decision), "failures": self.failures})
             persist_orphans(self.run, coord)
+            for shard in _shard_runs(self.run):   # FSDP2 with runtime="ray": each shard lineage's run
+                shard_coord = ray.get_actor(naming.coordinator_name(shard), namespace=naming.NAMESPACE)
+                persist_orphans(shard, shard_coord)
         except Exception as e:  # noqa: BLE001 - never break Ray Train's failure handling
             log.warning("ray_ckpt: could not record the failure: %s", e)
 
@@ -114,11 +117,14 @@ class RayCkptCallback(ControllerCallback):
     def after_controller_finish(self, result) -> None:
         if self.run is None:
             return
+        runs = [self.run] + _shard_runs(self.run)   # FSDP2 with runtime="ray": a run per shard lineage too
         try:
-            flush_run(self.run)
+            for run in runs:
+                flush_run(run)
         finally:
             if not self.keep_runtime:
-                shutdown_run(self.run)
+                for run in runs:
+                    shutdown_run(run)
 
     def _coord(self):
         try:
@@ -169,6 +175,12 @@ def claim_run(storage, run: str, *, adopt: bool = False) -> None:
 def _is_empty(storage) -> bool:
     from ray_ckpt.lineage import MANIFESTS_DIR
     return not storage.list(MANIFESTS_DIR)
+
+
+def _shard_runs(run: str) -> list[str]:
+    """The shard runs of ``run`` with live actors (sharded FSDP2 state, runtime='ray'). Any process."""
+    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
+    return naming.shard_runs(run, names)
 
 
 def flush_run(run: str, timeout: float = 300.0) -> None:

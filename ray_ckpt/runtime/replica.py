@@ -60,6 +60,7 @@ class ReplicaActor:
         # a restarted replica catches up from the lineage; a new one is fed the attach full
         self._rebuild = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self._stats = {"applied_steps": 0, "apply_seconds": 0.0, "fulls_written": 0, "full_seconds": 0.0,
+                       "full_bytes_written": 0,
                        "snapshots": 0, "rebuilds": 0}
         self._coordinator = None
         threading.Thread(target=self._loop, daemon=True, name="ray_ckpt-replica").start()
@@ -240,6 +241,7 @@ class ReplicaActor:
         self.storage.write(m.key, m.to_json())
         unhide(self.storage, m)   # after a fall-back to trainer fulls, this full may come after a later one
         self._stats["fulls_written"] += 1
+        self._stats["full_bytes_written"] += n
         self._stats["full_seconds"] += time.perf_counter() - t0
         self._coord().update.remote(self.node_id, [("durable", m.to_json(), [m.name])])
 
