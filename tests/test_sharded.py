@@ -83,3 +83,14 @@ def test_reshard_reads_only_the_saved_shards_that_overlap():
     assert sharded._overlapping(spec, 2) == [0]            # [0, 11) and [0, 3) lie in saved shard 0
     spec = sharded.ShardSpec(world=3, rank=2, shapes=((32, 4),), dims=(0,))
     assert sharded._overlapping(spec, 2) == [0, 1]         # [22, 32) in shard 1; rank 0 for the loop state
+
+
+def test_shard_runs_are_found_by_their_actor_names():
+    """runtime="ray": Ray Train's callback finds the shard runs of a run (to flush and stop them) by the names of
+    their actors; another run whose name starts alike is not one of them."""
+    from ray_ckpt.runtime import naming
+    names = [naming.coordinator_name(sharded.shard_run("exp", 2, 0)), naming.replica_name(sharded.shard_run("exp", 2, 1)),
+             naming.worker_name(sharded.shard_run("exp", 2, 1), "node1"), naming.coordinator_name("exp"),
+             naming.coordinator_name(sharded.shard_run("exp2", 2, 0))]
+    assert naming.shard_runs("exp", names) == [sharded.shard_run("exp", 2, r) for r in range(2)]
+    assert sharded.shard_run(None, 2, 0) is None   # unnamed: the default run of the shard storage's URI

@@ -125,12 +125,14 @@ def shard_storage(storage, world: int, rank: int) -> PrefixedStorage:
     return PrefixedStorage(storage, f"{SHARDS_DIR}w{world:05d}/r{rank:05d}/")
 
 
+SHARD_RUN_TAG = ":shard-"   #: between a run's name and ``w<world>-r<rank>`` in the name of a shard run
+
+
 def shard_run(run: str | None, world: int, rank: int) -> str | None:
     """The Ray runtime's run of one shard lineage (``runtime="ray"``: its coordinator, node workers and replica).
     A named run gets a name per shard; None keeps the default, derived from the shard storage's URI (itself
     unique per shard)."""
-    from ray_ckpt.runtime.naming import shard_run_name   # names only: no Ray import
-    return None if run is None else shard_run_name(run, world, rank)
+    return None if run is None else f"{run}{SHARD_RUN_TAG}w{world:05d}-r{rank:05d}"
 
 
 def mark_world(storage, spec: ShardSpec) -> None:

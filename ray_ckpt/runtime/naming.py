@@ -29,18 +29,15 @@ def replica_name(run: str) -> str:
     return f"ray_ckpt:{run}:replica"
 
 
-def shard_run_name(run: str, world: int, rank: int) -> str:
-    """The run of one shard lineage of ``run`` (sharded FSDP2 state with runtime='ray')."""
-    return f"{run}:shard-w{world:05d}-r{rank:05d}"
-
-
 def shard_runs(run: str, actor_names) -> list[str]:
-    """The shard runs of ``run`` that have actors among ``actor_names`` (e.g. from ``ray.util.list_named_actors``),
-    sorted."""
-    head = f"ray_ckpt:{run}:shard-"
+    """The shard runs of ``run`` (sharded FSDP2 state with runtime='ray', named by
+    :func:`ray_ckpt.engine.sharded.shard_run`) that have actors among ``actor_names`` (e.g. from
+    ``ray.util.list_named_actors``), sorted."""
+    from ray_ckpt.engine.sharded import SHARD_RUN_TAG
+    head = f"ray_ckpt:{run}{SHARD_RUN_TAG}"
     out = set()
     for name in actor_names:
         if name.startswith(head):
             tail = name[len(head):]          # w00002-r00000:coordinator / :replica / :worker:<node>
-            out.add(f"{run}:shard-{tail.split(':', 1)[0]}")
+            out.add(f"{run}{SHARD_RUN_TAG}{tail.split(':', 1)[0]}")
     return sorted(out)
