@@ -193,10 +193,11 @@ def _ray(address):
 
 
 def ray_train_and_restore(rank, world, port, uri, out, address, run):
-    """World 2 with ``runtime="ray"``: each rank's shard lineage is a run of its own (coordinator, node worker,
-    replica). While the Checkpointers are still attached (steps held in the memory tier), every rank restores
-    the latest step through the shard runs: from each shard's replica, nothing replayed, bitwise; an older step
-    bitwise too; then the lineage is closed."""
+    """World 2 with ``runtime="ray"`` and ``durable_diffs="fulls"``: each rank's shard lineage is a run of its own
+    (coordinator, node worker, replica) and its diffs stay in memory on two nodes. While the Checkpointers are
+    still attached, storage alone restores an older step, and every rank restores the latest step through the
+    shard runs: from each shard's replica, nothing replayed, bitwise; an older step bitwise too; then the
+    lineage is closed."""
     from ray_ckpt.engine.sharded import restore_sharded, spec_of
     from ray_ckpt.runtime.client import ShardedMemoryTier
     from ray_ckpt.storage import open_storage
@@ -205,7 +206,7 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
     try:
         model, opt, sch = fsdp_model(0)
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
-                                   policy="fixed", runtime="ray", run=run)
+                                   policy="fixed", runtime="ray", run=run, durable_diffs="fulls")
         local = {0: local_snapshot(model, opt, sch)}
         glob = {0: global_snapshot(model, opt)}
         for s in range(STEPS):
@@ -218,6 +219,10 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
         ck._capture.flush_pending()
         ck._writer.wait_safe()      # handed over and held (not necessarily durable)
         dist.barrier()
+        m1, o1, s1 = fsdp_model(41)
+        older = ray_ckpt.restore(uri, m1, o1, scheduler=s1)      # storage alone: fulls only, no diffs yet
+        assert older < STEPS, older
+        T.assert_same(local[older], local_snapshot(m1, o1, s1), f"rank {rank} step {older} from storage")
         m2, o2, s2 = fsdp_model(42)
         tier = ShardedMemoryTier(run)
         assert restore_sharded(open_storage(uri), m2, o2, spec_of(o2), scheduler=s2,

@@ -1,7 +1,8 @@
 """Sharded training state (FSDP2) with ``runtime="ray"`` (issue #15): every rank's shard lineage is a run of its
 own — its coordinator, its node's persistence worker, its replica on the peer node — and restores go through
-the shard runs: the latest step from each shard's replica (nothing replayed), older steps from the memory tier,
-and resharded 2 -> 1 from the shard replicas, bitwise."""
+the shard runs: with ``durable_diffs="fulls"`` storage alone holds only an older step while the latest comes
+from each shard's replica (nothing replayed); an older step from the memory tier; resharded 2 -> 1 from the shard
+runs; all bitwise."""
 from __future__ import annotations
 
 import uuid
