@@ -6,6 +6,7 @@ that the local path never imports Ray. This module sits above ``engine`` and ``r
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -103,6 +104,10 @@ class Checkpointer:
             self.storage = _sharded.shard_storage(self.storage, shard_spec.world, shard_spec.rank)
             if runtime == "ray":     # a run per shard lineage: its coordinator, node workers and replica
                 run = _sharded.shard_run(run, shard_spec.world, shard_spec.rank)
+                if memory_budget is None:   # the node's object store is shared by the shard runs of its ranks
+                    from ray_ckpt.runtime.client import node_share
+                    self.config = dataclasses.replace(self.config, memory_budget=node_share(
+                        self.config.memory_budget, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
         self.uri = self.storage.describe()
         if start_step is None:
             start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)

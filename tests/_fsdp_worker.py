@@ -205,8 +205,11 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
     _ray(address)
     try:
         model, opt, sch = fsdp_model(0)
+        os.environ["LOCAL_WORLD_SIZE"] = "2"   # as Ray Train / torchrun set it: both ranks on one node
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
                                    policy="fixed", runtime="ray", run=run, durable_diffs="fulls")
+        # the two shard runs' workers share the node's object store (300 MiB in the test cluster): 60 % of it, halved
+        assert ck.stats()["runtime"]["worker"]["memory_budget"] == int((300 << 20) * 0.6) // 2
         local = {0: local_snapshot(model, opt, sch)}
         glob = {0: global_snapshot(model, opt)}
         for s in range(STEPS):

@@ -97,6 +97,20 @@ def _replica_node() -> str:
     return others[0] if others else me
 
 
+def node_share(budget: int, ranks_on_node: int) -> int:
+    """The memory budget of one of ``ranks_on_node`` shard runs whose workers share this node's object store
+    (sharded FSDP2 state with runtime='ray'): ``budget`` capped to the share a worker may fill
+    (:data:`~ray_ckpt.runtime.worker.OBJECT_STORE_SHARE`), divided among the ranks; at least 64 MiB. Training
+    process, connected to Ray."""
+    from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE
+    _require_ray()
+    me = ray.get_runtime_context().get_node_id()
+    capacity = next((n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("NodeID") == me), 0)
+    if capacity:
+        budget = min(budget, int(capacity * OBJECT_STORE_SHARE))
+    return max(budget // max(1, ranks_on_node), 64 << 20)
+
+
 def policy_report(storage, run: str | None = None, timeout: float = 30.0) -> dict | None:
     """The coordinator's adaptive-policy report (None without a coordinator). Training process / driver."""
     coord = coordinator(storage, run)
