@@ -193,7 +193,7 @@ def fsdp_loop(config: dict) -> None:
     steps, out = config["steps"], config["out"]
     model, opt, sched = W.fsdp_model(0)
     session = ray_ckpt.train.attach(model, opt, scheduler=sched, full_every=W.FULL_EVERY, batch_steps=W.BATCH,
-                                    report_every=W.FULL_EVERY)
+                                    report_every=W.FULL_EVERY, sharded_runtime=config.get("sharded_runtime", "ray"))
     attempt = f"{int(time.time() * 1000)}-{os.getpid()}"
     g = W.global_snapshot(model, opt)   # collective
     if rank == 0:

@@ -65,16 +65,18 @@ def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):
     assert naming.shard_runs(name, [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]) == []
     T.assert_same(reference[W.STEPS], finals[0]["state"], "final state after the restart")
 
-    # a new driver, one worker: the latest step restored from the 2-rank shards, then training goes on
+    # a new driver, one worker, sharded_runtime="local" (a writer thread per rank, no shard runs): the latest
+    # step restored from the 2-rank shards in storage, then training goes on
     out2 = tmp_path / "out2"
     out2.mkdir()
-    result = _fit(tmp_path, name, {"steps": W.STEPS + 3, "out": str(out2)}, num_workers=1, max_failures=0)
+    result = _fit(tmp_path, name, {"steps": W.STEPS + 3, "out": str(out2), "sharded_runtime": "local"},
+                  num_workers=1, max_failures=0)
     assert result.error is None, result.error
     (start,) = _records(out2, "start")
     assert start["restored"] and start["world"] == 1 and start["step"] == W.STEPS
     T.assert_same(reference[W.STEPS], start["state"], "resharded 2 -> 1")
     (final,) = _records(out2, "final")
-    assert final["step"] == W.STEPS + 3 and final["world"] == 1
+    assert final["step"] == W.STEPS + 3 and final["world"] == 1 and final["shard_runs"] == []
 
 
 @pytest.mark.long   # ~2 min: nodes added and removed; make reliability runs it

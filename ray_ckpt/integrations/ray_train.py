@@ -289,7 +289,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
            strategy: Any = None, extra_state: Any = None, scaler: Any = None,
            storage_uri: str | os.PathLike | None = None, storage_options: dict | None = None,
            run: str | None = None, report_every: int | None = None, full_every: int | None = None,
-           batch_steps: int | None = None, compression_state: Any = None) -> TrainSession:
+           batch_steps: int | None = None, compression_state: Any = None,
+           sharded_runtime: str = "ray") -> TrainSession:
     """Attach ray_ckpt inside ``train_loop_per_worker``; call on every worker after building (and wrapping)
     the model and optimizer. Runs in the Ray Train worker process.
 
@@ -316,6 +317,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     DDP comm hook; with ``error_feedback=True`` each rank's residuals are checkpointed with its loop state
     (:class:`~ray_ckpt.compression.ResidualState`: a dense copy per step and rank), so compression after a
     restore matches the uninterrupted run.
+    ``sharded_runtime`` (FSDP2 models, where every rank checkpoints its shard): ``"ray"`` — a shard run per rank
+    (its coordinator on the head node, its node worker, its replica); ``"local"`` — each rank writes its shard
+    lineage from a thread of its process, no actors per rank (cheaper with many ranks; restores from storage).
     """
     from ray_ckpt.engine.capture import as_stateful
     extra_state = as_stateful(extra_state)
@@ -331,11 +335,13 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
                                       batch_steps=config.batch_steps)
     policy = ray.get(coord.get_policy.remote())
     sharded = _check_params(optimizer) is not None
+    if sharded_runtime not in ("ray", "local"):
+        raise ValueError(f"sharded_runtime must be 'ray' or 'local', got {sharded_runtime!r}")
     t0 = time.perf_counter()
     if sharded:
         start, restored = sharded_agreed_restore(storage, model, optimizer, scheduler=scheduler,
                                                  extra_state=extra_state, scaler=scaler, run=run,
-                                                 runtime="ray")
+                                                 runtime=sharded_runtime)
     else:
         start, restored = agreed_restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
                                          scaler=scaler, run=run)
@@ -344,11 +350,12 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
         log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, restore_seconds)
     ck = recorder = None
     if sharded:
-        # FSDP2: every rank checkpoints its own shard lineage (with its own loop state) through a run of its own
-        # (its coordinator, its node's persistence worker, its replica), so a restarted worker group continues
+        # FSDP2: every rank checkpoints its own shard lineage (with its own loop state): through a run of its own
+        # (its coordinator, its node's persistence worker, its replica) or from a thread of its process; the run
+        # (or, locally, the writer lease) is the experiment's, so a restarted worker group continues
         ck = Checkpointer(storage, model, optimizer, scheduler=scheduler, strategy=strategy,
-                          extra_state=extra_state, scaler=scaler, start_step=start, runtime="ray", run=run,
-                          full_every=policy.full_every, batch_steps=policy.batch_steps)
+                          extra_state=extra_state, scaler=scaler, start_step=start, runtime=sharded_runtime,
+                          run=run, full_every=policy.full_every, batch_steps=policy.batch_steps)
     else:
         if rank == 0:
             ck = Checkpointer(storage, model, optimizer, scheduler=scheduler,
