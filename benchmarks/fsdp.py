@@ -320,7 +320,8 @@ def main(argv=None) -> int:
     if args.runtime == "ray":   # started before the ranks fork (they connect to it; nothing Ray in this process)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private cluster; every process that joins agrees
         from benchmarks.rayhost import RayHost
-        host = RayHost(os.path.join(d, "rayhost"), num_cpus=args.world + 2, object_store_bytes=args.object_store_mb << 20)
+        host = RayHost(os.path.join(d, "rayhost"), num_cpus=args.world + 2,
+                       object_store_bytes=args.object_store_mb << 20)
         cell["ray_address"] = host.start()
     jobs.preload(spec)
     print(f"[fsdp {time.strftime('%H:%M:%S')}] GPT {spec.size}, {args.world} ranks: {args.rounds} rounds x 3 blocks "

@@ -89,7 +89,8 @@ def test_shard_runs_are_found_by_their_actor_names():
     """runtime="ray": Ray Train's callback finds the shard runs of a run (to flush and stop them) by the names of
     their actors; another run whose name starts alike is not one of them."""
     from ray_ckpt.runtime import naming
-    names = [naming.coordinator_name(sharded.shard_run("exp", 2, 0)), naming.replica_name(sharded.shard_run("exp", 2, 1)),
+    names = [naming.coordinator_name(sharded.shard_run("exp", 2, 0)),
+             naming.replica_name(sharded.shard_run("exp", 2, 1)),
              naming.worker_name(sharded.shard_run("exp", 2, 1), "node1"), naming.coordinator_name("exp"),
              naming.coordinator_name(sharded.shard_run("exp2", 2, 0))]
     assert naming.shard_runs("exp", names) == [sharded.shard_run("exp", 2, r) for r in range(2)]

@@ -492,8 +492,9 @@ def sharded_agreed_restore(storage, model, optimizer, *, scheduler=None, extra_s
     rank reaches the same decision; with ``runtime="ray"`` from storage and the coordinators of the shard runs of
     ``run``, whose replicas give each shard's state without replay), resharding when the world size changed; the
     ranks then exchange their outcome: a rank that fell back further (a missing or corrupt object of its shards)
-    brings every rank to the step it reached; every rank raises :class:`RestoreError` unless all restored one step (or all start from
-    scratch). Training process of each rank (collective when ``torch.distributed`` is initialized)."""
+    brings every rank to the step it reached; every rank raises :class:`RestoreError` unless all restored one step
+    (or all start from scratch). Training process of each rank (collective when ``torch.distributed`` is
+    initialized)."""
     import torch.distributed as dist
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     target = None

@@ -229,7 +229,6 @@ def record_restore(storage, run: str | None, seconds: float) -> None:
     _metrics.observe("ray_ckpt_restore_seconds", [seconds], tags)
 
 
-
 class ShardedMemoryTier:
     """``runtime="ray"`` restores of sharded (FSDP2) state: every shard lineage is a run of its own (its
     coordinator, node workers and replica; :func:`ray_ckpt.engine.sharded.shard_run`), so the steps a restore may
