@@ -50,6 +50,18 @@ def global_snapshot(model, opt) -> dict:
             "opt": {i: {k: full(v) for k, v in st.items()} for i, st in osd["state"].items()}}
 
 
+def _train_recording(model, opt, sch, rank) -> tuple[dict, dict]:
+    """Train STEPS steps; this rank's shards and the gathered global state before the first and after every step
+    (collective: every rank calls it)."""
+    local = {0: local_snapshot(model, opt, sch)}
+    glob = {0: global_snapshot(model, opt)}
+    for s in range(STEPS):
+        T.train_step(KIND, model, opt, sch, s, rank)
+        local[s + 1] = local_snapshot(model, opt, sch)
+        glob[s + 1] = global_snapshot(model, opt)
+    return local, glob
+
+
 def _init(rank, world, port):
     T.init_dist(rank, world, port)
 
@@ -64,12 +76,7 @@ def train_and_restore(rank, world, port, uri, out):
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
                                    policy="fixed")
         assert ck.shard_spec is not None and ck.shard_spec.world == world
-        local = {0: local_snapshot(model, opt, sch)}
-        glob = {0: global_snapshot(model, opt)}
-        for s in range(STEPS):
-            T.train_step(KIND, model, opt, sch, s, rank)
-            local[s + 1] = local_snapshot(model, opt, sch)
-            glob[s + 1] = global_snapshot(model, opt)
+        local, glob = _train_recording(model, opt, sch, rank)
         ck.close()
         torch.save(local, os.path.join(out, f"local-{rank}.pt"))
         if rank == 0:
@@ -209,12 +216,7 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
                                    policy="fixed", runtime="ray", run=run, durable_diffs="fulls")
         # the two shard runs' workers share the node's object store (300 MiB in the test cluster): 60 % of it, halved
         assert ck.stats()["runtime"]["worker"]["memory_budget"] == int((300 << 20) * 0.6) // 2
-        local = {0: local_snapshot(model, opt, sch)}
-        glob = {0: global_snapshot(model, opt)}
-        for s in range(STEPS):
-            T.train_step(KIND, model, opt, sch, s, rank)
-            local[s + 1] = local_snapshot(model, opt, sch)
-            glob[s + 1] = global_snapshot(model, opt)
+        local, glob = _train_recording(model, opt, sch, rank)
         torch.save(local, os.path.join(out, f"local-{rank}.pt"))
         if rank == 0:
             torch.save(glob, os.path.join(out, "global.pt"))
