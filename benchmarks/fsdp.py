@@ -161,22 +161,11 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
     ck.flush()   # runtime="ray": what the workers and the replica hold is durable before the counters are read
     st = ck.stats()
     steps = rounds * k
-
-    def persisted(s: dict) -> tuple[float, float]:
-        """(diff, full) bytes this rank's lineage wrote: the writer's, or with runtime="ray" its node worker's
-        and its replica's (which takes the fulls)."""
-        if not rt:
-            return float(s["diff_bytes"]), float(s["full_bytes"])
-        w, r = s["runtime"].get("worker", {}), s["runtime"].get("replica", {})
-        return float(w.get("diff_bytes_written", 0)), float(w.get("full_bytes_written", 0)
-                                                            + r.get("full_bytes_written", 0))
-    (d1, f1), (d0, f0) = persisted(st), persisted(st0)
-    mine = torch.tensor([d1 - d0, f1 - f0, float(st["capture_seconds"] - st0["capture_seconds"]),
-                         float(_fulls(st, rt) - _fulls(st0, rt))], dtype=torch.float64)
+    mine = torch.tensor([a - b for a, b in zip(_persisted(st, bool(rt)), _persisted(st0, bool(rt)))]
+                        + [float(st["capture_seconds"] - st0["capture_seconds"])], dtype=torch.float64)
     dist.all_reduce(mine)   # every rank's shard: the bytes of the whole step
     out.update(blocks=blocks, diff_bytes_per_step=float(mine[0]) / steps, full_bytes_per_step=float(mine[1]) / steps,
-               capture_ms_per_step=1e3 * float(mine[2]) / steps / cell["world"],
-               fulls=int(mine[3]) // cell["world"],
+               fulls=int(mine[2]) // cell["world"], capture_ms_per_step=1e3 * float(mine[3]) / steps / cell["world"],
                dcp_bytes_per_step=(pending["bytes"] - bytes0) / max(1, pending["saves"] - saves0))
     ck.close()
     dist.barrier()
@@ -204,10 +193,15 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
         ray.shutdown()
 
 
-def _fulls(st: dict, ray_runtime) -> int:
-    """Fulls taken so far: by the trainer, and with runtime="ray" by the replica too."""
-    rep = st.get("runtime", {}).get("replica", {}) if ray_runtime else {}
-    return st["trainer_fulls"] + rep.get("fulls_written", 0)
+def _persisted(st: dict, ray_runtime: bool) -> tuple[float, float, float]:
+    """``(diff bytes, full bytes, fulls)`` this rank's lineage has written (``Checkpointer.stats()``): the writer's,
+    or with runtime="ray" its node worker's and its replica's (which takes the fulls)."""
+    if not ray_runtime:
+        return float(st["diff_bytes"]), float(st["full_bytes"]), float(st["trainer_fulls"])
+    w, r = st["runtime"].get("worker", {}), st["runtime"].get("replica", {})
+    return (float(w.get("diff_bytes_written", 0)),
+            float(w.get("full_bytes_written", 0) + r.get("full_bytes_written", 0)),
+            float(st["trainer_fulls"] + r.get("fulls_written", 0)))
 
 
 def summarize(cell: dict, r0: dict) -> dict:

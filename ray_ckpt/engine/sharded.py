@@ -221,12 +221,12 @@ class _Replayed:
     sharding: dict
 
 
-def _load_from_storage(storage, world: int, rank: int, step: int):
+def load_shard(storage, world: int, rank: int, step: int):
+    """The chain of shard ``rank`` of ``world`` at ``step``, from storage (a LoadedChain). Any process."""
     return resolve_and_load(shard_storage(storage, world, rank), step, fallback=False)
 
 
-def _replay_shard(storage, world: int, rank: int, step: int, device: torch.device, load=_load_from_storage
-                  ) -> _Replayed:
+def _replay_shard(storage, world: int, rank: int, step: int, device: torch.device, load=load_shard) -> _Replayed:
     from ray_ckpt.engine.shadow import rebuild
     chain = load(storage, world, rank, step)
     if chain.step != step:
@@ -284,7 +284,7 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
     check_not_attached(optimizer)
     world, candidates = choose_world(storage, step, strict=not fallback, at_most=fallback) \
         if memory is None else memory.choose(storage, step, fallback=fallback)
-    load = _load_from_storage if memory is None else memory.load
+    load = load_shard if memory is None else memory.load
     params = [p for g in optimizer.param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
     sources = [spec.rank] if world == spec.world else _overlapping(spec, world)
@@ -302,6 +302,7 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
                                 f"{storage.describe()} can be read on rank {spec.rank}")
     first = shards[sources[0]]
     own = shards.get(spec.rank)   # None when the saved world had no rank of this number
+    home = own or first           # buffers and loop state: this rank's own, else rank 0's
     if [tuple(s) for s in first.sharding["shapes"]] != list(spec.shapes) or \
             list(first.sharding["dims"]) != list(spec.dims):
         raise ValueError("the saved sharded state does not match this model: parameter shapes or shard dimensions "
@@ -331,8 +332,8 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
                                  f"gives {tuple(value.shape)} (not torch.chunk placement?)")
             dst.copy_(value)
         for name, b in model.named_buffers():
-            if name in (own or first).model:
-                b.copy_((own or first).model[name])
+            if name in home.model:
+                b.copy_(home.model[name])
     # the optimizer: every state tensor of a parameter's shape is resharded like it; scalars are rank 0's
     sd_first = first.optimizer
     state: dict = {}
@@ -354,8 +355,7 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
                 out[key] = v
         state[i] = out
     optimizer.load_state_dict({"state": state, "param_groups": sd_first["param_groups"]})
-    loop = (own or first).loop
-    apply_loop(loop, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
+    apply_loop(home.loop, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                restore_rng=restore_rng)
     if own is None and restore_rng:
         from ray_ckpt.engine.rankloop import derive_rng

@@ -102,10 +102,9 @@ def node_share(budget: int, ranks_on_node: int) -> int:
     (sharded FSDP2 state with runtime='ray'): ``budget`` capped to the share a worker may fill
     (:data:`~ray_ckpt.runtime.worker.OBJECT_STORE_SHARE`), divided among the ranks; at least 64 MiB. Training
     process, connected to Ray."""
-    from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE
+    from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE, object_store_capacity
     _require_ray()
-    me = ray.get_runtime_context().get_node_id()
-    capacity = next((n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("NodeID") == me), 0)
+    capacity = object_store_capacity(ray.get_runtime_context().get_node_id())
     if capacity:
         budget = min(budget, int(capacity * OBJECT_STORE_SHARE))
     return max(budget // max(1, ranks_on_node), 64 << 20)
@@ -297,18 +296,17 @@ class ShardedMemoryTier:
     def load(self, storage, world: int, rank: int, step: int) -> LoadedChain:
         """Shard ``rank`` of ``world`` at ``step``: through its run's coordinator (memory tier, replica), else
         from storage."""
-        from ray_ckpt.engine.restore import resolve_and_load
-        from ray_ckpt.engine.sharded import shard_run, shard_storage
-        ss = shard_storage(storage, world, rank)
+        from ray_ckpt.engine.sharded import load_shard, shard_run, shard_storage
         try:
-            got = load_via_coordinator(ss, step, run=shard_run(self.run, world, rank), timeout=self.timeout)
+            got = load_via_coordinator(shard_storage(storage, world, rank), step, run=shard_run(self.run, world, rank),
+                                       timeout=self.timeout)
         except NoCheckpointError:
             got = None
         except (ray.exceptions.RayError, TimeoutError) as e:   # its coordinator is gone: storage has the chain
             log.info("ray_ckpt: shard %d of world %d: no plan from its run (%s); reading storage", rank, world, e)
             got = None
         if got is None:
-            return resolve_and_load(ss, step, fallback=False)
+            return load_shard(storage, world, rank, step)
         chain, tiers = got
         for k in self.tiers:
             self.tiers[k] += tiers.get(k, 0)

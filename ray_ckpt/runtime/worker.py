@@ -91,15 +91,17 @@ def join(value):
 OBJECT_STORE_SHARE = 0.6
 
 
+def object_store_capacity(node_id: str) -> int:
+    """The object store bytes of node ``node_id`` (0 when unknown). Any process connected to Ray."""
+    return int(next((n["Resources"].get("object_store_memory", 0) for n in ray.nodes()
+                     if n.get("NodeID") == node_id), 0))
+
+
 def _fit_object_store(budget: int, node_id: str) -> int:
     """``budget``, capped to :data:`OBJECT_STORE_SHARE` of this node's object store (with a warning): a budget the
     object store cannot hold makes Ray spill held chunks to disk and back, which costs more CPU than the
     checkpointing itself."""
-    try:
-        capacity = next(n["Resources"].get("object_store_memory", 0) for n in ray.nodes()
-                        if n.get("NodeID") == node_id)
-    except StopIteration:
-        return budget
+    capacity = object_store_capacity(node_id)
     cap = int(capacity * OBJECT_STORE_SHARE)
     if capacity and budget > cap:
         log.warning("ray_ckpt: memory_budget %.0f MiB exceeds %d%% of this node's object store (%.0f MiB); holding "
