@@ -313,6 +313,60 @@ def test_significant_edge_cases():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("thr,atol", [(0.02, 0.0), (0.25, 0.0), (0.003, 0.0), (0.02, 1e-30), (0.0, 1e-3)])
+def test_unwritten_elements_satisfy_the_bound_exactly(dtype, thr, atol):
+    """Every element the rule leaves unwritten is within |x − r| ≤ τ·|r| + a in exact rational arithmetic,
+    on values made to sit on the boundary: saved values from subnormal to huge, new values a few ulps either
+    side of r·(1 ± τ) ± a, and specials. The rule must also write what is clearly outside the bound."""
+    from fractions import Fraction
+    g = torch.Generator().manual_seed(7)
+    fi = torch.finfo(dtype)
+    mags = [fi.tiny * 2.0**-k for k in (0, 3, 10)] + [fi.tiny * 2.0**k for k in (0, 1, 5, 20)] + [1e-3, 1.0, 3.7,
+                                                                                               fi.max / 8]
+    r_list, x_list = [], []
+    for m in mags:
+        for sign in (1.0, -1.0):
+            r = torch.tensor(sign * m, dtype=torch.float64).to(dtype)
+            rv = float(r)
+            for target in (rv * (1 + thr) + atol, rv * (1 - thr) - atol, rv * (1 - thr) + atol, rv + atol, rv):
+                t = torch.tensor(target, dtype=torch.float64).to(dtype)
+                for _ in range(4):      # a few ulps either side of the boundary
+                    r_list.append(r)
+                    x_list.append(t)
+                    t = torch.nextafter(t, torch.tensor(math.inf, dtype=dtype))
+                t = torch.tensor(target, dtype=torch.float64).to(dtype)
+                for _ in range(4):
+                    t = torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype))
+                    r_list.append(r)
+                    x_list.append(t)
+    noise = torch.randn(200, generator=g, dtype=torch.float64)
+    r_list += list(noise.to(dtype))
+    x_list += list((noise * (1 + 4 * thr + 0.1) + 2 * atol * noise.sign()).to(dtype))   # outside every bound
+    ref = torch.stack(r_list + [torch.tensor(v, dtype=dtype) for v in (math.inf, -math.inf, math.nan, 0.0)])
+    x = torch.stack(x_list + [torch.tensor(v, dtype=dtype) for v in (1.0, -math.inf, math.nan, -0.0)])
+    written = D.significant(x, ref, thr, atol)
+    # the host (numpy) and device (torch ops) implementations of the rule agree bit for bit
+    cdt, t, a = D._bound_constants(dtype, thr, atol)
+    assert torch.equal(written, D._significant_device(x.reshape(-1), ref.reshape(-1), cdt, t, a))
+    exact_bound_holds = 0
+    for xi, ri, w in zip(x.tolist(), ref.tolist(), written.tolist()):
+        if w:
+            continue
+        if xi == ri or (math.isnan(xi) and math.isnan(ri)):
+            continue                                   # bitwise unchanged (checked below for the specials)
+        assert math.isfinite(xi) and math.isfinite(ri), (xi, ri)
+        lhs = abs(Fraction(xi) - Fraction(ri))
+        rhs = Fraction(thr) * abs(Fraction(ri)) + Fraction(atol)
+        assert lhs <= rhs, f"{dtype} thr={thr} atol={atol}: x={xi!r} r={ri!r} unwritten outside the bound"
+        exact_bound_holds += 1
+    if fi.eps < thr or atol:                           # (bfloat16's ulp is coarser than 0.3 %)
+        assert exact_bound_holds > 20                  # boundary cases were really left unwritten
+    # inf -> 1 written, -inf and NaN unchanged, +0 -> -0 written unless atol covers it
+    assert written[-4:].tolist() == [True, False, False, atol == 0]
+    assert bool(written[-204:-4].all())                # moved outside every bound tested: all written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_selection_and_codecs_round_trip(dtype):
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(1000, 7, generator=g).to(dtype)
@@ -343,7 +397,7 @@ def test_decode_refuses_malformed_deltas():
     z = D.encode_xor(("p", 0, None), x, torch.zeros(10), None, 10, level=1)
     z.shape = (20,)                                               # planes too short for the claimed shape
     data = b"".join(bytes(b) for b in D.encode_records([D.AmberRecord(step=1, base_step=0, deltas=[z])]))
-    with pytest.raises(CorruptObjectError, match="XOR frame"):
+    with pytest.raises(CorruptObjectError, match="XOR (frame|plane)"):   # raw or compressed planes
         D.decode_records(data, "obj")
 
 

@@ -41,8 +41,9 @@ import torch
 from ray_ckpt.config import Amber
 from ray_ckpt.engine.capture import CaptureBase
 from ray_ckpt.engine.strategy import register
-from ray_ckpt.format.delta import (AmberRecord, apply_delta, decode_records, drift_ratios, encode_new,
-                                   encode_records, encode_selected, encode_xor, encoded_size, significant)
+from ray_ckpt.format.delta import (AmberRecord, apply_delta, count, decode_records, drift_ratios, encode_new,
+                                   encode_records, encode_selected, encode_xor, encoded_size, significant,
+                                   xor_bits)
 from ray_ckpt.format.records import FullState
 from ray_ckpt.policy import StepDecision
 from ray_ckpt.policy.merge import ChainContext, CostChainPolicy
@@ -165,35 +166,40 @@ class AmberEncoder:
                         thr = self.cfg.threshold
                 else:
                     thr, atol = self._opt_threshold(), self.cfg.atol
-                mask = significant(x, r, thr, atol)
-                k = int(mask.sum())
-                if k == 0:
-                    continue
                 rf, xf = r.view(-1), x.reshape(-1)
-                if self._encoding(lossless, x) == "xor":
-                    d = encode_xor(slot, x, r, None if lossless else mask, k, level=self.cfg.zstd_level,
-                                   thr=None if lossless else thr)
-                    if lossless:
-                        self.ref[slot] = x
-                    else:
-                        rf.masked_scatter_(mask, xf.masked_select(mask))
+                if lossless and self._encoding(lossless, x) == "xor":
+                    # one XOR pass gives the change set, its count and the encoder's input; the mask is only
+                    # built while the slot is not yet wholly dirty since the full (moments: after one step)
+                    xb = xor_bits(x, r)
+                    k = count(xb)
+                    if k == 0:
+                        continue
+                    mask = None if self.dirty_count.get(slot) == x.numel() else xb != 0
+                    d = encode_xor(slot, x, r, None, k, level=self.cfg.zstd_level, xb=xb)
+                    self.ref[slot] = x
                 else:
-                    d, idx, vals = encode_selected(slot, x, mask, k, thr=None if lossless else thr)
-                    if lossless:
-                        self.ref[slot] = x
-                    elif idx is not None:
-                        rf.index_copy_(0, idx, vals)
-                    elif d.enc == "mask":
-                        rf.masked_scatter_(mask, vals)
+                    mask = significant(x, r, thr, atol)
+                    k = count(mask)
+                    if k == 0:
+                        continue
+                    if self._encoding(lossless, x) == "xor":
+                        d = encode_xor(slot, x, r, mask, k, level=self.cfg.zstd_level, thr=thr)
+                        torch.where(mask, xf, rf, out=rf)    # the saved values: one pass (masked_scatter_: 3x)
                     else:
-                        rf.copy_(xf)
-                if slot not in self.new_slots:
+                        d, idx, vals = encode_selected(slot, x, mask, k, thr=None if lossless else thr)
+                        if lossless:
+                            self.ref[slot] = x
+                        elif idx is not None:
+                            rf.index_copy_(0, idx, vals)
+                        else:
+                            rf.copy_(xf)
+                if slot not in self.new_slots and mask is not None:
                     dm = self.dirty.get(slot)
                     if dm is None:
                         self.dirty[slot] = dm = mask
                     else:
                         dm.logical_or_(mask)
-                    self.dirty_count[slot] = int(dm.sum())
+                    self.dirty_count[slot] = count(dm)
             deltas.append(d)
             written += d.count
             stats[d.slot] += d.nbytes
