@@ -18,8 +18,9 @@ situation), over the tracked state of one step (parameters + AdamW moments, the 
   average per step over the ``optimizer_every`` schedule.
 
 Throughput = tracked-state bytes read / seconds (median of ``--repeats``); the ratio to a copy of the same
-bytes is the figure the issue's goal (within 4x of memcpy) is read on. Configurations: ``Amber()`` (parameters at 2%, sparse
-encoding; AdamW moments lossless, XOR + zstd) and ``Amber(threshold=0)`` (all lossless). Writes
+bytes is the figure the issue's goal (within 4x of memcpy) is read on. Configurations: ``Amber()``
+(parameters at 2%, sparse encoding; AdamW moments lossless, XOR + zstd) and ``Amber(threshold=0)`` (all
+lossless). Writes
 ``amber_select.json`` and ``.md``.
 """
 from __future__ import annotations
@@ -115,7 +116,8 @@ def main(argv=None) -> int:
             snap = {k: v for k, v in cur.items() if only is None or k[0] == only}
             out = enc.encode_step(AmberRecord(step=args.steps + 1, loop={}, buffers={}, snap=snap))
             written[tag] = (sum(d.count for d in out.deltas), sum(d.nbytes for d in out.deltas),
-                            sum(v.numel() for v in snap.values()), sum(v.numel() * v.element_size() for v in snap.values()))
+                            sum(v.numel() for v in snap.values()),
+                            sum(v.numel() * v.element_size() for v in snap.values()))
 
         def row(what, seconds, tag):
             el, by, tracked_el, tracked_b = written[tag]
