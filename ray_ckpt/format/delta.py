@@ -20,7 +20,8 @@ subnormal spacing 2⁻¹⁴⁹ (float64: 2⁻¹⁰⁷⁴); the comparison is str
 spacing, so an unwritten difference is at least one spacing below the rounded bound, i.e. below the exact one.
 ``a`` must be 0 or at least 1e-30 (a normal number). NaN, ±inf and ``r = 0`` are handled by the same
 expression: an element saved as 0 (with ``a = 0``) is written on any change; a NaN or infinite new value, or a
-change away from an infinite saved value, is always written. ``τ = a = 0`` is the lossless rule: every bit change is written.
+change away from an infinite saved value, is always written. ``τ = a = 0`` is the lossless rule: every bit
+change is written.
 
 Encodings of the written elements of one tensor (:class:`SlotDelta`), chosen per tensor and increment:
 
