@@ -279,6 +279,7 @@ def test_chain_policy_takes_a_full_when_the_merged_increment_is_large(tmp_path):
     assert stats["early_fulls"] >= 1
     fulls = [k for k in os.listdir(tmp_path / MANIFESTS_DIR) if "-full-" in k]
     assert len(fulls) == 1 + stats["early_fulls"]
+    assert stats["trainer_fulls"] == len(fulls)     # Amber's snapshots are counted (attach full included)
     _, snap = _restore(tmp_path, step=30)
     T.assert_same(live[30], snap, "latest")
 

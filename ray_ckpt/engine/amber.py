@@ -358,6 +358,7 @@ class AmberCapture(CaptureBase):
 
     def _snapshot(self, step: int, loop: dict, rec: Any = None) -> FullState:
         """Model + optimizer state, sharing the host copies ``rec.snap`` already holds for this step."""
+        t0 = time.perf_counter()
         shared: dict[int, torch.Tensor] = {}
         if rec is not None and rec.snap is not None:
             for (kind, i, key), t in rec.snap.items():
@@ -377,8 +378,11 @@ class AmberCapture(CaptureBase):
             return self._copy.tree(x)
 
         model_sd = {k: cp(v) for k, v in self.model.state_dict(keep_vars=True).items()}
-        return FullState(step=step, model=model_sd, optimizer=cp(self.optimizer.state_dict()), loop=loop,
+        full = FullState(step=step, model=model_sd, optimizer=cp(self.optimizer.state_dict()), loop=loop,
                          layout=self.layout())
+        self.full_snapshots += 1                                # stats()["trainer_fulls"]
+        self.last_snapshot_seconds = time.perf_counter() - t0  # the adaptive policy's cost model reads it
+        return full
 
     def snapshot_now(self) -> FullState:
         """The attach full; its host copies also become the encoder's first saved values."""
