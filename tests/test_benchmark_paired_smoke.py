@@ -32,3 +32,22 @@ def test_paired_benchmark_smoke(tmp_path):
     assert c["restore_bitwise"] is True and c["restored_step"] == 3 + 6 * 5   # warm-up + every block of A
     assert (out / "paired.md").stat().st_size > 0 and (out / "paired.png").stat().st_size > 0
     assert "restores_bitwise" in result["targets"]
+
+
+def test_paired_benchmark_compares_amber_with_lowdiff_dense(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.paired", "--job", "gpt:tiny:4", "--blocks", "4",
+                           "--block-steps", "5", "--full-every", "10", "--hook", "none",
+                           "--strategies", "lowdiff", "amber", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    log = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, log
+    result = json.loads((out / "paired_lowdiff_amber_dense.json").read_text())
+    assert result["errors"] == [] and [c["strategy"] for c in result["cells"]] == ["lowdiff", "amber"], log
+    lowdiff, amber = result["cells"]
+    assert lowdiff["restore_bitwise"] is True
+    assert amber["restore_within_bound"] is True and amber["fulls"] >= 2   # Amber's fulls are counted
+    assert 0 < amber["diff_bytes_per_step"] < lowdiff["diff_bytes_per_step"]   # increments vs dense gradients
+    assert result["targets"]["amber_restores_within_bound"]["verdict"] == "met"
+    assert "| amber, local |" in (out / "paired_lowdiff_amber_dense.md").read_text()
