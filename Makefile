@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
-.PHONY: venv demo test reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp clean
+.PHONY: venv demo test reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,12 @@ bench-scaling: $(STAMP)
 bench-fsdp: $(STAMP)
 	$(PY) -m benchmarks.fsdp
 	$(PY) -m benchmarks.fsdp --runtime ray
+
+# Amber vs LowDiff dense through runtime="ray" (paired blocks, ~15 min), then Amber's selection pass vs memcpy
+# (issue #17)
+bench-amber: $(STAMP)
+	$(PY) -m benchmarks.paired --job gpt:10m:4 --blocks 20 --hook none --strategies lowdiff amber --runtime ray
+	$(PY) -m benchmarks.amber_select
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
