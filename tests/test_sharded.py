@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+import torch
 import torch.multiprocessing as mp
 
 from ray_ckpt.engine import sharded
@@ -95,3 +97,11 @@ def test_shard_runs_are_found_by_their_actor_names():
              naming.coordinator_name(sharded.shard_run("exp2", 2, 0))]
     assert naming.shard_runs("exp", names) == [sharded.shard_run("exp", 2, r) for r in range(2)]
     assert sharded.shard_run(None, 2, 0) is None   # unnamed: the default run of the shard storage's URI
+
+
+def test_attach_refuses_an_unknown_sharded_runtime_before_creating_anything():
+    from ray_ckpt.integrations.ray_train import attach
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="sharded_runtime must be 'ray' or 'local'"):
+        attach(model, opt, sharded_runtime="threads")   # outside Ray Train: refused before its context is read

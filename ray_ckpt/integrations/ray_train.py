@@ -322,6 +322,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     lineage from a thread of its process, no actors per rank (cheaper with many ranks; restores from storage).
     """
     from ray_ckpt.engine.capture import as_stateful
+    if sharded_runtime not in ("ray", "local"):   # refused before any actor or file is created
+        raise ValueError(f"sharded_runtime must be 'ray' or 'local', got {sharded_runtime!r}")
     extra_state = as_stateful(extra_state)
     if compression_state is not None and getattr(compression_state, "error_feedback", False):
         from ray_ckpt.integrations.compression import ResidualState
@@ -335,8 +337,6 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
                                       batch_steps=config.batch_steps)
     policy = ray.get(coord.get_policy.remote())
     sharded = _check_params(optimizer) is not None
-    if sharded_runtime not in ("ray", "local"):
-        raise ValueError(f"sharded_runtime must be 'ray' or 'local', got {sharded_runtime!r}")
     t0 = time.perf_counter()
     if sharded:
         start, restored = sharded_agreed_restore(storage, model, optimizer, scheduler=scheduler,
