@@ -173,6 +173,11 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
             bytes_per_full=(st["full_bytes"] - st0["full_bytes"]) / n_full if n_full else None,
             capture_ms_per_step=1e3 * (st["capture_seconds"] - st0["capture_seconds"]) / steps,
             encode_ms_per_step=1e3 * (st.get("encode_seconds", 0.0) - st0.get("encode_seconds", 0.0)) / steps,
+            # runtime="ray": the sender thread's CPU (encoding, checksum, hand-off), the training process's
+            # background work; the writer thread of runtime="local" is not timed
+            sender_cpu_ms_per_step=(1e3 * ((st.get("runtime") or {}).get("sender_cpu_seconds", 0.0)
+                                           - (st0.get("runtime") or {}).get("sender_cpu_seconds", 0.0)) / steps
+                                    if st.get("runtime") else None),
             fulls=n_full, policy=ck.policy_report())
         ck.close()
         samples, step = [], None
@@ -209,7 +214,7 @@ def summarize(cell: dict, r0: dict) -> dict:
            **{k: r0.get(k) for k in ("param_count", "full_ckpt_bytes", "diff_bytes_per_step", "full_bytes_per_step",
                                      "bytes_per_full", "capture_ms_per_step", "fulls", "restore_latest_s",
                                      "restored_step", "restore_bitwise", "restore_within_bound", "policy",
-                                     "encode_ms_per_step")},
+                                     "encode_ms_per_step", "sender_cpu_ms_per_step")},
            "strategy": cell.get("strategy") or "lowdiff", "runtime": cell.get("runtime") or "local"}
     for basis, ka, kb in (("wall", "a_s", "b_s"), ("thread_cpu", "a_cpu_s", "b_cpu_s")):
         d = [100 * (bl[ka] / bl[kb] - 1) for bl in blocks]
@@ -284,9 +289,10 @@ def markdown(result: dict) -> str:
              f"- wall time: {result['wall_s'] / 60:.1f} min", "",
              "| job | A | params | workers x threads | pairs | ref step ms | wall overhead | 95% CI "
              "| train-thread CPU overhead | 95% CI | full: snapshot ms / write s / waited s | hooks ms/step "
+             "| sender CPU ms/step "
              "| bytes/step (diffs) "
              "| bytes/step (with fulls) | % of full | restore latest s | exact |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in result["cells"]:
         ci = c.get("wall_ci95_pct")
         tci = c.get("thread_cpu_ci95_pct")
@@ -300,6 +306,7 @@ def markdown(result: dict) -> str:
             f"| {report._pct(c.get('thread_cpu_overhead_pct'))} | {'[%+.2f, %+.2f]%%' % tuple(tci) if tci else '–'} "
             f"| {report._fmt(c.get('full_snapshot_ms'), '.0f')} / {report._fmt(c.get('full_persist_s'), '.2f')} / "
             f"{report._fmt(c.get('full_flush_s'), '.2f')} | {report._fmt(c.get('capture_ms_per_step'), '.2f')} "
+            f"| {report._fmt(c.get('sender_cpu_ms_per_step'), '.1f')} "
             f"| {report._bytes(c.get('diff_bytes_per_step'))} | {report._bytes(c.get('bytes_per_step'))} "
             f"| {report._fmt(100 * c['fraction_of_full'] if c.get('fraction_of_full') else None, '.2f')} "
             f"| {report._fmt(c.get('restore_latest_s'), '.3f')} | {_exact(c)} |")
@@ -308,7 +315,9 @@ def markdown(result: dict) -> str:
     lines += ["", "Definitions: *overhead* = (1 - w) x median of the paired block differences without a full "
                   "checkpoint + w x their mean over the blocks holding one (w = their share), 95% CI by stratified "
                   "bootstrap (10,000 resamples); *wall* = block wall time incl. A's flush; *train-thread CPU* = "
-                  "time.thread_time of rank 0's training thread over the block; *full* = one full checkpoint: the "
+                  "time.thread_time of rank 0's training thread over the block; *sender CPU* (runtime='ray') = "
+                  "the CPU time of the training process's sender thread (encoding, checksum, hand-off to the node "
+                  "worker) per measured step of A; *full* = one full checkpoint: the "
                   "snapshot on the training thread and the encode + write in the background (the checkpointer's own "
                   "cost model, mean), and what the flush at the end of a block holding a full still waited for; "
                   "*restore latest* = ray_ckpt.restore from storage "
