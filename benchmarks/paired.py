@@ -178,7 +178,8 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
             sender_cpu_ms_per_step=(1e3 * ((st.get("runtime") or {}).get("sender_cpu_seconds", 0.0)
                                            - (st0.get("runtime") or {}).get("sender_cpu_seconds", 0.0)) / steps
                                     if st.get("runtime") else None),
-            fulls=n_full, policy=ck.policy_report())
+            fulls=n_full, policy=ck.policy_report(),
+            amber_early_fulls=(st["amber"]["early_fulls"] - st0["amber"]["early_fulls"]) if "amber" in st else None)
         ck.close()
         samples, step = [], None
         for _ in range(3):
@@ -214,7 +215,7 @@ def summarize(cell: dict, r0: dict) -> dict:
            **{k: r0.get(k) for k in ("param_count", "full_ckpt_bytes", "diff_bytes_per_step", "full_bytes_per_step",
                                      "bytes_per_full", "capture_ms_per_step", "fulls", "restore_latest_s",
                                      "restored_step", "restore_bitwise", "restore_within_bound", "policy",
-                                     "encode_ms_per_step", "sender_cpu_ms_per_step")},
+                                     "encode_ms_per_step", "sender_cpu_ms_per_step", "amber_early_fulls")},
            "strategy": cell.get("strategy") or "lowdiff", "runtime": cell.get("runtime") or "local"}
     for basis, ka, kb in (("wall", "a_s", "b_s"), ("thread_cpu", "a_cpu_s", "b_cpu_s")):
         d = [100 * (bl[ka] / bl[kb] - 1) for bl in blocks]

@@ -245,7 +245,9 @@ class Checkpointer:
         committed (``runtime="local"``: written; ``runtime="ray"``: handed to the persistence tier, whose
         ``runtime.restorable`` says what is durable). ``runtime="ray"`` adds the node worker's and
         the replica's figures (one actor call each): ``write_seconds``/``durable_bytes`` are the worker's
-        durable writes, ``encode_seconds`` the sender thread's encode + hand-off time."""
+        durable writes, ``encode_seconds`` the sender thread's encode + hand-off time. With Amber, ``amber``
+        counts the fulls its chain policy asked for (``early_fulls``: a merged increment grew too large) and the
+        merge requests (``merges``)."""
         s = self._writer.stats
         committed = s.last_committed_step
         out = {"step": self.step, "generation": self.generation, "last_committed_step": committed,
@@ -258,6 +260,8 @@ class Checkpointer:
                "trainer_fulls": self._capture.full_snapshots,
                "full_every": self._capture.policy.full_every, "batch_steps": self._capture.policy.batch_steps,
                "policy": self.policy_report()}
+        if hasattr(self._capture, "early_fulls"):   # Amber: why fulls were taken, and the merged increments
+            out["amber"] = {"early_fulls": self._capture.early_fulls, "merges": self._capture.merges}
         runtime_stats = getattr(self._writer, "runtime_stats", None)
         if runtime_stats is not None:
             rt = runtime_stats()

@@ -167,7 +167,7 @@ def _train(uri, cfg, kind="mlp", steps=30, full_every=12, batch_steps=4, dtype=N
         for s in range(steps):
             T.train_step(kind, model, opt, sch, s)
             live[s + 1] = T.snapshot(model, opt, sch)
-        stats = {"merges": ck._capture.merges, "early_fulls": ck._capture.early_fulls, **ck.stats()}
+        stats = {**ck.stats()["amber"], **ck.stats()}
     return live, stats
 
 

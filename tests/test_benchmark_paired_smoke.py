@@ -48,6 +48,7 @@ def test_paired_benchmark_compares_amber_with_lowdiff_dense(tmp_path):
     lowdiff, amber = result["cells"]
     assert lowdiff["restore_bitwise"] is True
     assert amber["restore_within_bound"] is True and amber["fulls"] >= 2   # Amber's fulls are counted
+    assert amber["amber_early_fulls"] is not None and lowdiff["amber_early_fulls"] is None
     assert 0 < amber["diff_bytes_per_step"] < lowdiff["diff_bytes_per_step"]   # increments vs dense gradients
     assert result["targets"]["amber_restores_within_bound"]["verdict"] == "met"
     assert "| amber, local |" in (out / "paired_lowdiff_amber_dense.md").read_text()
