@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ray_ckpt.config import CheckpointConfig, LowDiff
+from ray_ckpt.config import Amber, CheckpointConfig, LowDiff
 from ray_ckpt.engine.capture import ATTACHED_ATTR, RESTORED_STEP_ATTR
 from ray_ckpt.engine.lease import Lease
 from ray_ckpt.engine.restore import apply_chain, check_not_attached, load_lineage, resolve_and_load
@@ -57,6 +57,12 @@ class Checkpointer:
     when the world size changed (see :mod:`ray_ckpt.engine.sharded`). With ``runtime="ray"`` every shard lineage
     is a run of its own (``run`` + ``:shard-w<world>-r<rank>``): its coordinator, node workers and replica.
 
+    ``durable_diffs`` (``runtime="ray"``): what the durable tier gets besides the fulls — ``"all"`` (default:
+    every step's record), ``"fulls"`` (step records stay in memory on two nodes), or ``"amber"`` / an
+    ``Amber(...)`` (LowDiff with the replica: as ``"fulls"``, and the state tier's replica writes Amber increments
+    of its own state, so that every step restores from storage alone within the Amber bound; the trainer sends
+    nothing more for them; see :mod:`ray_ckpt.engine.amber_tier`).
+
     Storage writes are retried with backoff for ``write_timeout`` seconds (default 300): an outage shorter than
     that costs time (the training thread waits once ``max_pending_bytes`` is held), never data; beyond it
     the next step raises :class:`WriterError`.
@@ -73,14 +79,17 @@ class Checkpointer:
                  max_pending_bytes: int | None = None, capture_rng: bool | None = None,
                  runtime: str = "local", run: str | None = None, memory_budget: int | None = None,
                  keep_fulls: int | None = None, replica: bool | None = None, handoff_delay: float | None = None,
-                 policy: str | None = None, mtbf_hint: float | None = None, durable_diffs: str | None = None,
-                 write_timeout: float | None = None, takeover: bool = False):
+                 policy: str | None = None, mtbf_hint: float | None = None,
+                 durable_diffs: str | Amber | None = None, write_timeout: float | None = None, takeover: bool = False):
         model = _unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         shard_spec = _check_params(optimizer)
         strategy = strategy if strategy is not None else LowDiff()
         impl = impl_for(strategy)
+        durable_amber_cfg = None
+        if isinstance(durable_diffs, Amber):
+            durable_amber_cfg, durable_diffs = durable_diffs, "amber"
         if runtime not in ("local", "ray"):
             raise ValueError(f"runtime must be 'local' (a writer thread in this process) or 'ray' (persistence "
                              f"actors), got {runtime!r}")
@@ -95,6 +104,7 @@ class Checkpointer:
         if self.config.durable_diffs != "all" and runtime != "ray":
             raise ValueError(f"durable_diffs={self.config.durable_diffs!r} needs runtime='ray' (a memory tier on "
                              f"two nodes); runtime={runtime!r} writes every step")
+        durable_amber = _durable_amber(durable_amber_cfg, self.config, impl, shard_spec)
         self.runtime = runtime
         self.strategy = strategy
         self.storage = open_uri(uri, storage_options)
@@ -115,6 +125,8 @@ class Checkpointer:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         info = {"num_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
                 "optimizer": type(optimizer).__name__, "start_step": start_step}
+        if durable_amber is not None:   # the replica computes the Amber tier's increments with these settings
+            info["durable_amber"] = dataclasses.asdict(durable_amber)
         if getattr(optimizer, ATTACHED_ATTR, None) is not None:   # before anything is acquired
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
         self._tuner = None
@@ -285,6 +297,23 @@ class Checkpointer:
                     self._lease.release()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _durable_amber(given: Amber | None, config: CheckpointConfig, impl, shard_spec) -> Amber | None:
+    """The Amber settings of ``durable_diffs="amber"`` (None for the other modes), checked against the run."""
+    if config.durable_diffs != "amber":
+        return None
+    if impl.name != "lowdiff":
+        raise ValueError(f"durable_diffs='amber' gives a LowDiff run's durable tier Amber increments computed by "
+                         f"the state tier's replica; strategy {impl.name!r} writes its own diffs (with "
+                         f"strategy=Amber() the increments already are the durable diffs)")
+    if not config.replica:
+        raise ValueError("durable_diffs='amber' needs the state tier's replica (replica=True): it computes the "
+                         "increments from its copy of the state")
+    if shard_spec is not None:
+        raise ValueError("durable_diffs='amber' is not supported for sharded (FSDP2) state: each shard run's "
+                         "replica would need the whole layout; use durable_diffs='all' or 'fulls'")
+    return given if given is not None else Amber()
 
 
 def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,

@@ -214,6 +214,10 @@ class CheckpointConfig:
     #: only under memory pressure, on flush/close, or when its second copy is lost. Restorable: any step the
     #: memory tier still holds, and from storage the fulls (plus whatever was flushed). Losing both nodes
     #: loses the steps since the last durable full (a gap: logged, shown by ``ray-ckpt ls``, closed by a full).
+    #: "amber" (LowDiff with the state tier's replica; ``Checkpointer`` also takes an ``Amber(...)`` for its
+    #: settings): as "fulls", and the replica writes Amber increments of its own state after every step to the
+    #: durable tier (``tiers/amber/``, see :mod:`ray_ckpt.engine.amber_tier`), so that every step also restores
+    #: from storage alone, within the Amber bound, when its exact records are not there.
     durable_diffs: str = "all"
     #: "adaptive": full_every/batch_steps are chosen online from measured costs and recorded failures
     #: (:mod:`ray_ckpt.policy.adaptive`), starting from the values above; explicit full_every/batch_steps (argument
@@ -259,9 +263,11 @@ class CheckpointConfig:
             raise ValueError(f"handoff_delay must be in [0, 60] seconds, got {self.handoff_delay}")
         if self.max_replica_lag < 1:
             raise ValueError(f"max_replica_lag must be >= 1 step, got {self.max_replica_lag}")
-        if self.durable_diffs not in ("all", "fulls"):
-            raise ValueError(f"durable_diffs must be 'all' (every step written) or 'fulls' (diffs held in memory "
-                             f"on two nodes, fulls written), got {self.durable_diffs!r}")
+        if self.durable_diffs not in ("all", "fulls", "amber"):
+            raise ValueError(f"durable_diffs must be 'all' (every step written), 'fulls' (diffs held in memory "
+                             f"on two nodes, fulls written) or 'amber' (as 'fulls', plus Amber increments "
+                             f"computed by the state tier's replica; or pass an Amber(...)), got "
+                             f"{self.durable_diffs!r}")
         if self.fingerprint_every < 0:
             raise ValueError(f"fingerprint_every must be >= 0 (0 disables), got {self.fingerprint_every}")
 

@@ -28,6 +28,7 @@ import os
 import sys
 import time
 
+from ray_ckpt.engine import amber_tier
 from ray_ckpt.engine import export as _export
 from ray_ckpt.engine import gc as _gc
 from ray_ckpt.engine.restore import load_lineage, read_object
@@ -84,21 +85,34 @@ def _sharded_summary(storage) -> list[dict]:
     return out
 
 
+def _durable_mode(ms: list) -> str:
+    """The ``durable_diffs`` a generation was written with (recorded in its trainer's manifests)."""
+    modes = {m.info.get("durable_diffs") for m in ms}
+    return "amber" if "amber" in modes else "fulls" if "fulls" in modes else "all"
+
+
 def cmd_ls(storage, args) -> int:
     lineage, bad = load_lineage(storage, strict=False)
+    tier = amber_tier.tier_manifests(storage)
+    tier_reach = amber_tier.tier_steps(lineage, tier) if tier else {}
     rows = []
     for gen in lineage.generations:
         ms = [m for m in lineage.manifests if m.generation == gen]
         fulls = [m for m in ms if m.kind == "full"]
         diffs = [m for m in ms if m.kind == "diff"]
         steps = lineage.reachable_steps(gen)
-        lazy = any(m.info.get("durable_diffs") == "fulls" for m in ms)
+        lazy = _durable_mode(ms) != "all"
         rows.append({"generation": gen, "fulls": [m.last_step for m in fulls], "diff_objects": len(diffs),
                      "full_bytes": sum(m.nbytes for m in fulls), "diff_bytes": sum(m.nbytes for m in diffs),
                      "recoverable": _ranges(steps), "strategy": sorted({m.strategy for m in ms}),
                      # durable_diffs="fulls": steps between fulls are not in storage by design (not a gap)
                      "gaps": "-" if lazy else _ranges(lineage.uncovered_steps(gen)),
-                     "durable_diffs": "fulls" if lazy else "all"})
+                     "durable_diffs": _durable_mode(ms)})
+        incs = [m for m in tier if m.generation == gen]
+        if incs:
+            rows[-1]["amber_tier"] = {"increments_objects": len(incs), "bytes": sum(m.nbytes for m in incs),
+                                      "restorable": _ranges(tier_reach.get(gen, [])),
+                                      "bound": amber_tier.bound_text(incs[-1])}
     head = lineage.head()
     shards = _sharded_summary(storage)
     if not lineage.manifests and not bad and not shards and not args.json:
@@ -116,16 +130,23 @@ def cmd_ls(storage, args) -> int:
             print(f"  rank {r['rank']}: latest recoverable step {r['head']}  (ray-ckpt ls {r['uri']})")
     if not lineage.manifests and not bad:
         return 0
-    print(f"{storage.describe()}: latest recoverable step {head}")
+    tier_head = max(((g, st[-1]) for g, st in tier_reach.items()), default=None)
+    newer = tier_head is not None and (head is None or tier_head > (lineage.generations[-1], head))
+    print(f"{storage.describe()}: latest recoverable step {head}"
+          + (f" (exact); {tier_head[1]} from the Amber tier, within its bound" if newer else ""))
     for r in rows:
         print(f"  generation {r['generation']} ({', '.join(r['strategy'])}): fulls at {r['fulls']}, "
               f"{r['diff_objects']} diff objects; {_human(r['full_bytes'])} full + {_human(r['diff_bytes'])} "
               f"diffs; recoverable steps {r['recoverable']}"
               + (f"; GAP (lost steps) {r['gaps']}" if r["gaps"] != "-" else ""))
-        if r["durable_diffs"] == "fulls":
-            print("    durable_diffs=fulls: storage holds the fulls (and diffs written on flush, under memory "
-                  "pressure or after a node loss); other steps restore only from the memory tier of the running "
-                  "cluster (Checkpointer.stats()['runtime']['restorable'])")
+        if r["durable_diffs"] in ("fulls", "amber"):
+            print(f"    durable_diffs={r['durable_diffs']}: storage holds the fulls (and diffs written on flush, under "
+                  "memory pressure or after a node loss); other steps restore exactly only from the memory tier "
+                  "of the running cluster (Checkpointer.stats()['runtime']['restorable'])")
+        a = r.get("amber_tier")
+        if a:
+            print(f"    Amber tier ({amber_tier.TIER_DIR}): {a['increments_objects']} objects, {_human(a['bytes'])}; "
+                  f"restorable from storage within the bound ({a['bound']}): steps {a['restorable']}")
     for key in bad:
         print(f"  malformed manifest ignored: {key}")
     return 0 if head is not None else 1
@@ -138,14 +159,20 @@ def cmd_inspect(storage, args) -> int:
         drawn = plot_lineage(lineage, args.plot, storage.describe())
         print(f"wrote {args.plot}: {drawn['generations']} generations, {drawn['fulls']} fulls, "
               f"{drawn['diffs']} diff objects, {drawn['gap_steps']} lost steps", file=sys.stderr)
-    try:
-        plan = lineage.resolve(args.step)
-    except NoCheckpointError as e:
-        print(f"ray-ckpt: {e}", file=sys.stderr)
-        return 1
-    out = {"step": plan.step, "generation": plan.generation,
-           "read": [{"object": m.object, "kind": m.kind, "steps": [m.first_step, m.last_step],
+    plan = amber_tier.plan(storage, lineage, args.step)   # what restore reads: the Amber tier only where needed
+    tier = "amber" if plan is not None else "exact"
+    if plan is None:
+        try:
+            plan = lineage.resolve(args.step)
+        except NoCheckpointError as e:
+            print(f"ray-ckpt: {e}", file=sys.stderr)
+            return 1
+    out = {"step": plan.step, "generation": plan.generation, "tier": tier,
+           "read": [{"object": (amber_tier.TIER_DIR if m.info.get("tier") == amber_tier.TIER else "") + m.object,
+                     "kind": m.kind, "steps": [m.first_step, m.last_step],
                      "bytes": m.nbytes, "strategy": m.strategy} for m in plan.objects]}
+    if tier == "amber":
+        out["bound"] = amber_tier.bound_text(plan.diffs[-1])
     policy = read_report(storage)
     if policy is not None:
         out["policy"] = policy
@@ -153,7 +180,9 @@ def cmd_inspect(storage, args) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(f"step {plan.step} (generation {plan.generation}): read {len(plan.objects)} objects, "
-              f"{_human(sum(m.nbytes for m in plan.objects))}")
+              f"{_human(sum(m.nbytes for m in plan.objects))}"
+              + (f"; from the Amber tier, within {out['bound']} (the exact records are not in storage)"
+                 if tier == "amber" else ""))
         for r in out["read"]:
             print(f"  {r['object']}  {r['kind']} steps {r['steps'][0]}..{r['steps'][1]}  {_human(r['bytes'])}")
         if policy is not None:
@@ -275,8 +304,9 @@ def cmd_gc(storage, args) -> int:
     finally:
         if bar is not None:
             bar.close()
-    objects = res.orphans + [m.object for m in res.deleted] + [f"ranks/{r}/{m.object}" for r, ms in res.rank_deleted.items()
-                                                 for m in ms]
+    objects = (res.orphans + [m.object for m in res.deleted]
+               + [f"ranks/{r}/{m.object}" for r, ms in res.rank_deleted.items() for m in ms]
+               + [amber_tier.TIER_DIR + m.object for m in res.tier_deleted])
     if args.json:
         print(json.dumps({"dry_run": res.dry_run, "kept_from_step": res.kept_from_step, "objects": objects,
                           "bytes": res.nbytes}, indent=2))

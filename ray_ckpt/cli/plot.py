@@ -18,6 +18,7 @@ def plot_lineage(lineage, path: str, title: str) -> dict:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("ray-ckpt: --plot needs matplotlib: pip install 'ray_ckpt[plot]'") from None
+    from ray_ckpt.lineage.manifest import LAZY_DURABLE_DIFFS
     gens = lineage.generations
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.7 * max(1, len(gens))))
     drawn = {"generations": len(gens), "fulls": 0, "diffs": 0, "gap_steps": 0}
@@ -39,7 +40,7 @@ def plot_lineage(lineage, path: str, title: str) -> dict:
                         color="tab:orange", alpha=0.6, edgecolor="tab:orange", hatch="//" if merged else None,
                         label="diffs" if drawn["diffs"] == 0 else None)
                 drawn["diffs"] += 1
-        lazy = any(m.info.get("durable_diffs") == "fulls" for m in ms)
+        lazy = any(m.info.get("durable_diffs") in LAZY_DURABLE_DIFFS for m in ms)
         gaps = [] if lazy else lineage.uncovered_steps(gen)
         for s in gaps:
             ax.axvspan(s - 0.5, s + 0.5, ymin=(lane + 0.1) / len(gens), ymax=(lane + 0.9) / len(gens),

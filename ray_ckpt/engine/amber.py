@@ -259,6 +259,66 @@ class AmberEncoder:
 
 
 # ------------------------------------------------------------------------------------------------------------
+class AmberSlots:
+    """Which tensors an increment of a step holds, by *slot* — ``("p", i, None)`` for parameter ``i`` (optimizer
+    order), ``("o", i, key)`` for its optimizer state tensor ``key`` — and the rule that picks them: every
+    parameter at every step; optimizer tensors on the ``optimizer_every`` schedule (and at fulls), plus, once, a
+    tensor the latest full does not hold (Adam's moments are created by the first step). One rule for both places
+    increments are computed: the training process (:class:`AmberCapture`, host copies) and the state tier's
+    replica (:class:`ShadowAmber`, its own tensors), so both select the same elements from the same values."""
+
+    def __init__(self, config: Amber):
+        self.config = config
+        self.opt_mode = config.resolved_optimizer_state
+        self._full_opt_slots: set[tuple] = set()   # optimizer_state="full": tensors the latest full holds
+        self._sent_opt_slots: set[tuple] = set()   # ... and those created since, already sent once
+
+    def tracked(self, params: list, optimizer, step: int | None, copy, copy_tree) -> tuple[dict, dict]:
+        """``(snap, opt_misc)`` of ``step`` (None: every tracked tensor, for a full): ``copy(tensor)`` of each
+        slot, and ``copy_tree`` of the non-tensor optimizer state by parameter index."""
+        snap: dict[tuple, torch.Tensor] = {}
+        misc: dict[int, dict] = {}
+        refresh = step is None or (self.opt_mode != "full" and step % self.config.resolved_optimizer_every == 0)
+        for i, p in enumerate(params):
+            snap[("p", i, None)] = copy(p)
+        for i, p in enumerate(params):
+            st = optimizer.state.get(p)
+            if not st:
+                continue
+            for key, v in st.items():
+                if not isinstance(key, str):
+                    raise TypeError(f"Amber tracks optimizer state by string keys; parameter {i} has key {key!r}")
+                if isinstance(v, torch.Tensor):
+                    slot = ("o", i, key)
+                    if not _is_exact_slot(v) and not refresh:
+                        # on its own schedule (or the full's); a tensor the full does not hold (Adam moments
+                        # created by the first step) is sent once, so a restore always has every state tensor
+                        if slot in self._full_opt_slots or slot in self._sent_opt_slots:
+                            continue
+                        self._sent_opt_slots.add(slot)
+                    snap[slot] = copy(v)
+                else:
+                    misc.setdefault(i, {})[key] = copy_tree(v)
+        return snap, misc
+
+    def complete(self, snap: dict, params: list, optimizer, copy) -> None:
+        """A full is taken at this step: add the optimizer tensors the schedule skipped, so that ``snap`` holds
+        the whole tracked state (it becomes every element's saved value)."""
+        if self.opt_mode == "full":
+            return
+        for i, p in enumerate(params):
+            for key, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and ("o", i, key) not in snap:
+                    snap[("o", i, key)] = copy(v)
+
+    def note_full(self, params: list, optimizer) -> None:
+        """A full holding the current optimizer state was taken."""
+        self._sent_opt_slots = set()
+        self._full_opt_slots = {("o", i, k) for i, p in enumerate(params)
+                                for k, v in optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+
+
+# ------------------------------------------------------------------------------------------------------------
 class AmberCapture(CaptureBase):
     """Training thread: a host copy of the tracked tensors per captured step (nothing else); the chain policy
     at batch closes. Full checkpoints share the step's copies."""
@@ -275,36 +335,12 @@ class AmberCapture(CaptureBase):
         self.full_bytes = 0
         self.merges = 0             # merge requests submitted (stats)
         self.early_fulls = 0        # fulls the chain policy asked for (stats)
-        self._full_opt_slots: set[tuple] = set()   # optimizer_state="full": tensors the latest full holds
-        self._sent_opt_slots: set[tuple] = set()   # ... and those created since, already sent once
+        self.slots = AmberSlots(config)
         super().__init__(model, optimizer, sink, policy, capture_buffers=config.capture_buffers, **kwargs)
 
     def _tracked(self, step: int | None = None) -> tuple[dict[tuple, torch.Tensor], dict]:
         """Host copies of the tracked tensors at ``step`` (None: all of them, for a full)."""
-        snap: dict[tuple, torch.Tensor] = {}
-        misc: dict[int, dict] = {}
-        refresh = step is None or (self.opt_mode != "full" and step % self.config.resolved_optimizer_every == 0)
-        for i, p in enumerate(self.params):
-            snap[("p", i, None)] = self._copy(p)
-        for i, p in enumerate(self.params):
-            st = self.optimizer.state.get(p)
-            if not st:
-                continue
-            for key, v in st.items():
-                if not isinstance(key, str):
-                    raise TypeError(f"Amber tracks optimizer state by string keys; parameter {i} has key {key!r}")
-                if isinstance(v, torch.Tensor):
-                    slot = ("o", i, key)
-                    if not _is_exact_slot(v) and not refresh:
-                        # on its own schedule (or the full's); a tensor the full does not hold (Adam moments
-                        # created by the first step) is sent once, so a restore always has every state tensor
-                        if slot in self._full_opt_slots or slot in self._sent_opt_slots:
-                            continue
-                        self._sent_opt_slots.add(slot)
-                    snap[slot] = self._copy(v)
-                else:
-                    misc.setdefault(i, {})[key] = self._copy.tree(v)
-        return snap, misc
+        return self.slots.tracked(self.params, self.optimizer, step, self._copy, self._copy.tree)
 
     def _make_record(self, step: int, loop: dict, buffers: dict) -> AmberRecord:
         snap, misc = self._tracked(step)
@@ -330,13 +366,10 @@ class AmberCapture(CaptureBase):
             else:
                 self._merge_now = d.merge
         rec.rebase = decision.full   # set before the record reaches the sink
-        if decision.full and self.opt_mode != "full":
+        if decision.full:
             # the full becomes every element's saved value: the record must hold the whole tracked state
             # (optimizer tensors skipped by optimizer_every are copied now; scheduler.step left them as is)
-            for i, p in enumerate(self.params):
-                for key, v in self.optimizer.state.get(p, {}).items():
-                    if isinstance(v, torch.Tensor) and ("o", i, key) not in rec.snap:
-                        rec.snap[("o", i, key)] = self._copy(v)
+            self.slots.complete(rec.snap, self.params, self.optimizer, self._copy)
         return decision
 
     def _after_submit(self, rec: AmberRecord, decision: StepDecision, full: FullState | None) -> None:
@@ -396,9 +429,74 @@ class AmberCapture(CaptureBase):
             return full
 
     def _note_full(self) -> None:
-        self._sent_opt_slots = set()
-        self._full_opt_slots = {("o", i, k) for i, p in enumerate(self.params)
-                                for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+        self.slots.note_full(self.params, self.optimizer)
+
+
+# ------------------------------------------------------------------------------------------------------------
+class ShadowAmber:
+    """Amber increments of a state advanced elsewhere: the state tier's replica (``durable_diffs="amber"``, a
+    LowDiff+ run) calls :meth:`step` after applying each step record to its :class:`ShadowState`, and gets the
+    increment the training process would have computed from host copies of the same values — the same slots
+    (:class:`AmberSlots`), the same encoder (:class:`AmberEncoder`) — without the trainer copying anything for
+    it. Increments build on the full the encoder was last rebased on (:meth:`rebase`: the full the replica was
+    installed from, or a full it writes itself, ``full=True``); until then :meth:`step` returns None.
+
+    The shadow's tensors change in place at its next step: the encoder keeps its own copies of what it retains
+    (lossless slots are cloned here, lossy ones are cloned by the encoder), and the parts of a returned increment
+    never alias the shadow. Runs in the replica actor's thread (any process; no Ray)."""
+
+    def __init__(self, config: Amber):
+        self.config = config
+        self.encoder = AmberEncoder(config)
+        self.slots = AmberSlots(config)
+
+    @property
+    def base_step(self) -> int | None:
+        return self.encoder.base_step
+
+    @staticmethod
+    def _params(shadow) -> list:
+        return [p for g in shadow.optimizer.param_groups for p in g["params"]]
+
+    def _snap(self, shadow, step: int | None, full: bool) -> tuple[dict, dict, set]:
+        import copy as _copy
+        params = self._params(shadow)
+        with torch.no_grad():
+            snap, misc = self.slots.tracked(params, shadow.optimizer, step, lambda t: t.detach(), _copy.deepcopy)
+            if full:
+                self.slots.complete(snap, params, shadow.optimizer, lambda t: t.detach())
+        live = {t.untyped_storage().data_ptr() for t in snap.values()}
+        for slot, x in list(snap.items()):
+            if self.encoder._lossless(slot, x):   # kept by the encoder as the saved value
+                snap[slot] = x.clone()
+        return snap, misc, live
+
+    def rebase(self, shadow) -> None:
+        """The shadow's current state is a full checkpoint (durable, or about to be): increments build on it."""
+        snap, _, _ = self._snap(shadow, None, full=True)
+        self.encoder.rebase(shadow.step, snap)
+        self.slots.note_full(self._params(shadow), shadow.optimizer)
+
+    def reset(self) -> None:
+        """No base (a rebuilt replica: its state is not a full's): no increments until the next :meth:`rebase`."""
+        self.encoder = AmberEncoder(self.config)
+        self.slots = AmberSlots(self.config)
+
+    def step(self, shadow, loop: dict, buffers: dict, *, full: bool = False) -> AmberRecord | None:
+        """The increment of the shadow's current step (just applied; ``loop``/``buffers``: that step record's).
+        ``full``: a full of this step is written too; later increments build on it."""
+        if self.encoder.base_step is None:
+            return None
+        snap, misc, live = self._snap(shadow, shadow.step, full)
+        rec = AmberRecord(step=shadow.step, loop=loop, buffers=buffers, snap=snap, opt_misc=misc, rebase=full)
+        out = self.encoder.encode_step(rec)
+        for d in out.deltas:
+            for k, v in d.parts.items():
+                if v.untyped_storage().data_ptr() in live:
+                    d.parts[k] = v.clone()
+        if full:
+            self.slots.note_full(self._params(shadow), shadow.optimizer)
+        return out
 
 
 # ------------------------------------------------------------------------------------------------------------

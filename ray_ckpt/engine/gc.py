@@ -1,6 +1,7 @@
 """Offline garbage collection of a lineage on storage: keep the ``keep_fulls`` newest full checkpoints and every
 object a step at or after the oldest of them needs; delete the rest (manifest first, so an object is
-uncommitted before it goes), including the per-rank loop-state lineages below ``ranks/<r>/``.
+uncommitted before it goes), including the per-rank loop-state lineages below ``ranks/<r>/`` and the Amber tier's
+increments below ``tiers/amber/`` (:mod:`ray_ckpt.engine.amber_tier`).
 
 The selection is the coordinator's (:func:`ray_ckpt.lineage.gc_cutoff` / :func:`~ray_ckpt.lineage.collectable`),
 so ``ray-ckpt gc`` and ``keep_fulls`` of a running job agree. Safe next to a running writer: only chains
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ray_ckpt.engine import amber_tier
 from ray_ckpt.engine.rankloop import MAIN_GENERATION, RANKS_DIR, rank_storage
 from ray_ckpt.engine.restore import load_lineage
 from ray_ckpt.lineage import Manifest, collectable, gc_cutoff
@@ -34,16 +36,19 @@ class GcResult:
     kept_from_step: int | None                           #: the oldest kept full's step; None: nothing to do
     deleted: list[Manifest] = field(default_factory=list)  #: main lineage
     rank_deleted: dict[int, list[Manifest]] = field(default_factory=dict)
+    tier_deleted: list[Manifest] = field(default_factory=list)  #: the Amber tier (``tiers/amber/``)
     dry_run: bool = False
     orphans: list[str] = field(default_factory=list)   #: object keys without a manifest (interrupted collection)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.deleted) + sum(m.nbytes for ms in self.rank_deleted.values() for m in ms)
+        return (sum(m.nbytes for m in self.deleted) + sum(m.nbytes for ms in self.rank_deleted.values() for m in ms)
+                + sum(m.nbytes for m in self.tier_deleted))
 
     @property
     def count(self) -> int:
-        return len(self.deleted) + sum(len(ms) for ms in self.rank_deleted.values()) + len(self.orphans)
+        return (len(self.deleted) + sum(len(ms) for ms in self.rank_deleted.values()) + len(self.orphans)
+                + len(self.tier_deleted))
 
 
 def collect(storage, keep_fulls: int, *, dry_run: bool = False,
@@ -56,9 +61,12 @@ def collect(storage, keep_fulls: int, *, dry_run: bool = False,
     ranks = rank_garbage(storage, lineage, cutoff)
     out.rank_deleted = {r: doomed for r, (_, _, doomed) in ranks.items()}
     out.orphans = _orphans(storage, lineage, cutoff)
+    out.tier_deleted = amber_tier.garbage(storage, lineage, cutoff)
     if dry_run or (out.count == 0 and not out.orphans):
         return out
-    jobs = [(storage, m) for m in out.deleted] + [(ranks[r][0], m) for r, ms in out.rank_deleted.items() for m in ms]
+    tier = amber_tier.tier_storage(storage)
+    jobs = ([(tier, m) for m in out.tier_deleted] + [(storage, m) for m in out.deleted]
+            + [(ranks[r][0], m) for r, ms in out.rank_deleted.items() for m in ms])
     for i, (st, m) in enumerate(jobs, 1):
         # manifest first: uncommitted before the object goes
         lineage_index.delete_committed(st, [m], missing=(ObjectNotFound,))

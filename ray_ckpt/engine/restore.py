@@ -33,6 +33,7 @@ class LoadedChain:
     plan: Plan
     full: FullState
     records: list  #: the strategy's diff records, in step order
+    tier: str | None = None  #: None: the exact lineage; "amber": the Amber tier of a LowDiff+ run (bounded error)
 
     @property
     def step(self) -> int:
@@ -186,6 +187,9 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
             pass  # resolved again below (with fallback rules)
     for key in bad_manifests:
         log.warning("ray_ckpt: ignoring malformed manifest %s", key)
+    chain = _load_from_amber_tier(storage, lineage, step, fallback, reader)
+    if chain is not None:
+        return chain
     excluded: set[str] = set()
     while True:
         lin = Lineage(lineage.manifests, exclude=excluded)
@@ -218,6 +222,29 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
             bad = next(m for m in plan.objects if m.object == e.object_name)
             log.warning("ray_ckpt: %s; falling back to an earlier step", e)
             excluded.add(bad.name)
+
+
+def _load_from_amber_tier(storage, lineage: Lineage, step: int | None, fallback: bool, reader) -> LoadedChain | None:
+    """``step`` from the Amber tier of a LowDiff+ run (:mod:`ray_ckpt.engine.amber_tier`) when the exact lineage
+    does not reach it (or, for the latest step, reaches only an older one); None otherwise."""
+    from ray_ckpt.engine import amber_tier
+    plan = amber_tier.plan(storage, lineage, step)
+    if plan is None:
+        return None
+    try:
+        chain = load_chain(storage, plan, amber_tier.reader(storage, reader))
+    except (ObjectNotFound, CorruptObjectError, NoCheckpointError) as e:
+        if not fallback:
+            raise
+        log.warning("ray_ckpt: the Amber tier cannot restore step %d (%s); falling back to the exact lineage",
+                    plan.step, e)
+        return None
+    chain.tier = amber_tier.TIER
+    log.warning("ray_ckpt: step %d is not in the exact lineage of %s; restoring it from the Amber tier "
+                "(durable_diffs='amber'): full %d + %d increments computed by the state tier's replica, within %s",
+                plan.step, storage.describe(), plan.full.last_step, len(chain.records),
+                amber_tier.bound_text(plan.diffs[-1]) if plan.diffs else "exact (a full)")
+    return chain
 
 
 def _resolve_at_most(lin: Lineage, step: int) -> Plan:

@@ -77,6 +77,11 @@ class Lineage:
         starts = [s for g in self._gens if g > gen for s in [self._branch_point(g)] if s is not None]
         return min(starts) if starts else None
 
+    def timeline_cap(self, gen: int) -> int | None:
+        """The highest step of generation ``gen`` on the current timeline (None: unbounded): newer generations
+        supersede it from the step they branched from."""
+        return self._cap(gen)
+
     def _chains(self, gen: int, target: int | None) -> dict[int, list[Manifest]]:
         """For every full of ``gen``: the greedy chain of diffs after it, as far as contiguous.
 
@@ -172,6 +177,10 @@ class Lineage:
         head = self.head()
         raise NoCheckpointError(f"step {step} is not recoverable on the current timeline "
                                 f"(latest recoverable step: {head})")
+
+    def plan_in(self, gen: int, step: int) -> Plan:
+        """The plan for ``step`` within generation ``gen`` (no supersession rules: the caller applies them)."""
+        return self._plan(gen, step)
 
     def _plan(self, gen: int, step: int) -> Plan:
         best = None

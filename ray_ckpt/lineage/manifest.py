@@ -103,3 +103,14 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: ``durable_diffs`` modes whose diffs the durable tier gets only when needed (written by the workers on flush,
+#: under memory pressure, or when a chunk's second copy is missing); "amber" adds the replica's Amber tier
+LAZY_DURABLE_DIFFS = ("fulls", "amber")
+
+
+def lazy_diffs(m: "Manifest") -> bool:
+    """A diff of a run whose durable tier holds the fulls (not every step record): ``durable_diffs`` "fulls" or
+    "amber" in the manifest's info."""
+    return m.kind == "diff" and m.info.get("durable_diffs") in LAZY_DURABLE_DIFFS

@@ -35,9 +35,11 @@ import ray
 
 from ray_ckpt.engine.restore import load_lineage
 from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, gc_cutoff
+from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
 from ray_ckpt.lineage import index as _lineage_index  # [lineage index #14]
+from ray_ckpt.engine import amber_tier
 from ray_ckpt.engine import gc as _gc
 from ray_ckpt.engine.lease import Lease, LeaseLost
 from ray_ckpt.runtime import metrics as _metrics
@@ -143,7 +145,7 @@ class Coordinator:
         if node is not None and refs:
             e.holders[node] = refs
         self._last_generation = max(self._last_generation, m.generation)
-        if m.kind == "diff" and m.info.get("durable_diffs") == "fulls":
+        if lazy_diffs(m):
             self._lazy_gens.add(m.generation)
 
     def _durable_floor(self, gen: int) -> int | None:
@@ -551,10 +553,11 @@ class Coordinator:
                     pass
             del self.entries[m.name]
             deleted.append(m.name)
-        try:  # the ranks' loop-state lineages (ranks/<r>/) by the same rule
+        try:  # the ranks' loop-state lineages (ranks/<r>/) and the Amber tier (tiers/amber/) by the same rule
             _gc.collect_ranks(self.storage, lin, cutoff)
+            amber_tier.collect(self.storage, lin, cutoff)
         except Exception as e:  # noqa: BLE001 - retried at the next full
-            log.warning("ray_ckpt coordinator: could not collect per-rank loop state: %s", e)
+            log.warning("ray_ckpt coordinator: could not collect per-rank loop state or the Amber tier: %s", e)
         return deleted
 
 

@@ -27,6 +27,10 @@ import time
 import numpy as np
 import ray
 
+from ray_ckpt.config import Amber
+from ray_ckpt.engine import amber_tier
+from ray_ckpt.engine.amber import ShadowAmber
+from ray_ckpt.engine.capture import FINGERPRINT_KEY
 from ray_ckpt.engine.restore import unhide
 from ray_ckpt.engine.shadow import ShadowError, ShadowState
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
@@ -61,7 +65,11 @@ class ReplicaActor:
         self._rebuild = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self._stats = {"applied_steps": 0, "apply_seconds": 0.0, "fulls_written": 0, "full_seconds": 0.0,
                        "full_bytes_written": 0,
-                       "snapshots": 0, "rebuilds": 0}
+                       "snapshots": 0, "rebuilds": 0,
+                       # durable_diffs="amber": increments computed from the shadow, written to the Amber tier
+                       "amber_increments": 0, "amber_objects": 0, "amber_bytes_written": 0, "amber_seconds": 0.0}
+        self._amber: ShadowAmber | None = None
+        self._amber_cfg: dict | None = None
         self._coordinator = None
         threading.Thread(target=self._loop, daemon=True, name="ray_ckpt-replica").start()
 
@@ -180,7 +188,9 @@ class ReplicaActor:
                 if job[0] == "reset":
                     m, ref = job[1]
                     full = rec_fmt.decode_full(join(ray.get(ref)), m.object)
-                    self._install(ShadowState(full), m.generation)
+                    shadow = ShadowState(full)
+                    self._amber_base(m, shadow)
+                    self._install(shadow, m.generation)
                 elif job[0] == "apply":
                     self._apply(*job[1])
                 else:
@@ -211,22 +221,69 @@ class ReplicaActor:
     def _apply(self, m: Manifest, ref) -> None:
         records = decode_object(impl_by_name(m.strategy), as_buffers(ray.get(ref)), m.object)
         t0 = time.perf_counter()
+        amber = self._amber_for(m)
         with self._cv:
             shadow = self.shadow
             records = [r for r in records if r.step > shadow.step]
             # stop at each full the trainer delegated to us, to write it from this exact state (the trainer
             # names them in the chunk's manifest: one writer per full, never two)
             fulls = set(m.info.get("replica_fulls", []))
+            increments: list = []
             while records:
-                cut = next((i + 1 for i, r in enumerate(records) if r.step in fulls), len(records))
+                if amber is not None:   # one step at a time: each step's increment is taken from its state
+                    cut = 1
+                else:
+                    cut = next((i + 1 for i, r in enumerate(records) if r.step in fulls), len(records))
                 shadow.apply(records[:cut])
                 self._stats["applied_steps"] += cut
-                if shadow.step in fulls:
+                full = shadow.step in fulls
+                if amber is not None:
+                    rec = records[cut - 1]
+                    loop = {k: v for k, v in rec.loop.items() if k != FINGERPRINT_KEY}
+                    t1 = time.perf_counter()
+                    inc = amber.step(shadow, loop, rec.buffers, full=full)
+                    self._stats["amber_seconds"] += time.perf_counter() - t1
+                    if inc is not None:
+                        increments.append(inc)
+                    if full:   # later increments build on this full: they go to an object of their own
+                        self._write_increments(increments, m.generation)
+                        increments = []
+                if full:
                     self._write_full(shadow, m.generation)
                 records = records[cut:]
+            self._write_increments(increments, m.generation)
             self._cv.notify_all()  # a snapshot may be waiting for this step
         self._stats["apply_seconds"] += time.perf_counter() - t0
         self._progress()
+
+    # -- the Amber tier (durable_diffs="amber") ------------------------------------------------------------------
+    def _amber_for(self, m: Manifest) -> ShadowAmber | None:
+        """The Amber encoder the chunk's run asks for (``info["durable_amber"]``: its settings), or None. A new or
+        changed setting starts unbased: its increments begin at the next full this replica writes."""
+        cfg = m.info.get("durable_amber")
+        if cfg is None:
+            self._amber = self._amber_cfg = None
+            return None
+        if cfg != self._amber_cfg:
+            self._amber, self._amber_cfg = ShadowAmber(Amber(**cfg)), cfg
+        return self._amber
+
+    def _amber_base(self, m: Manifest, shadow: ShadowState) -> None:
+        """The replica is (re)installed from the full ``m``: the Amber tier's increments build on it."""
+        amber = self._amber_for(m)
+        if amber is not None:
+            amber.rebase(shadow)
+
+    def _write_increments(self, increments: list, generation: int) -> None:
+        """One object of the Amber tier (replica thread, state lock held)."""
+        if not increments:
+            return
+        t0 = time.perf_counter()
+        m = amber_tier.write_increments(self.storage, generation, increments, self._amber.config)
+        self._stats["amber_increments"] += len(increments)
+        self._stats["amber_objects"] += 1
+        self._stats["amber_bytes_written"] += m.nbytes
+        self._stats["amber_seconds"] += time.perf_counter() - t0
 
     def _write_full(self, shadow: ShadowState, generation: int) -> None:
         """Encode and write the full of the current step (replica thread, state lock held)."""
@@ -256,6 +313,9 @@ class ReplicaActor:
         chain, _ = load_plan(self.storage, plan)
         shadow = ShadowState(chain.full)
         shadow.apply(chain.records)
+        if self._amber is not None:
+            # this state is not a full's: the Amber tier resumes at the next full this replica writes
+            self._amber.reset()
         self._stats["rebuilds"] += 1
         log.info("ray_ckpt replica: rebuilt at step %d of generation %d", shadow.step, plan["generation"])
         self._install(shadow, plan["generation"])

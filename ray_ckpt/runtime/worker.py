@@ -47,6 +47,7 @@ import ray
 
 from ray_ckpt.format import segments
 from ray_ckpt.lineage import Manifest, diff_name, object_key
+from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
 from ray_ckpt.storage.retry import RetryPolicy
@@ -557,8 +558,8 @@ class PersistenceWorker:
 
 
 def _lazy(m: Manifest) -> bool:
-    """A diff the durable tier gets only when needed (``durable_diffs="fulls"``)."""
-    return m.kind == "diff" and m.info.get("durable_diffs") == "fulls"
+    """A diff the durable tier gets only when needed (``durable_diffs`` "fulls" or "amber")."""
+    return lazy_diffs(m)
 
 
 def _actor_options(name: str, node_id: str) -> dict:
