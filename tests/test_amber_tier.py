@@ -166,3 +166,19 @@ def test_durable_amber_is_refused_where_it_cannot_work(tmp_path):
         ray_ckpt.Checkpointer(str(tmp_path), model, opt, runtime="ray", replica=False, durable_diffs="amber")
     with pytest.raises(ValueError, match="durable_diffs must be"):
         ray_ckpt.Checkpointer(str(tmp_path), model, opt, runtime="ray", durable_diffs="amberish")
+
+
+def test_an_unbased_shadow_encoder_resumes_at_the_next_full(tmp_path):
+    """After a replica rebuild (state not a full's) no increment is written until a full rebases the encoder."""
+    from ray_ckpt.engine.amber import ShadowAmber
+    from ray_ckpt.engine.shadow import ShadowState
+    model, opt, sch = _trainee()
+    with ray_ckpt.Checkpointer(str(tmp_path / "c"), model, opt, scheduler=sch) as ck:
+        full = ck._capture.snapshot_now()
+    shadow, amber = ShadowState(full), ShadowAmber(_config())
+    assert amber.step(shadow, {}, {}) is None and amber.base_step is None
+    assert amber.step(shadow, {}, {}, full=True) is None and amber.base_step == shadow.step
+    T.train_step("mlp", model, opt, sch, 0)
+    shadow.model.load_state_dict(model.state_dict())
+    shadow.step += 1
+    assert amber.step(shadow, {}, {}) is not None

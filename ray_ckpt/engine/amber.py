@@ -486,6 +486,8 @@ class ShadowAmber:
         """The increment of the shadow's current step (just applied; ``loop``/``buffers``: that step record's).
         ``full``: a full of this step is written too; later increments build on it."""
         if self.encoder.base_step is None:
+            if full:   # unbased (a rebuilt replica): increments resume on this full
+                self.rebase(shadow)
             return None
         snap, misc, live = self._snap(shadow, shadow.step, full)
         rec = AmberRecord(step=shadow.step, loop=loop, buffers=buffers, snap=snap, opt_misc=misc, rebase=full)
