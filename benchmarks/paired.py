@@ -65,12 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --scaling, so that every cell holds fulls)")
     p.add_argument("--batch-steps", type=int, help="pin steps per diff object (default: the library's policy)")
     p.add_argument("--hook", choices=["topk", "none"], default="topk", help="DDP hook of both replicas")
-    p.add_argument("--strategies", nargs="+", choices=["lowdiff", "amber"], default=["lowdiff"],
+    p.add_argument("--strategies", nargs="+", choices=["lowdiff", "amber", "lowdiff-amber"], default=["lowdiff"],
                    help="A's checkpointing strategy; several: one cell each, one after the other, each paired "
                    "with its own reference blocks (LowDiff(); Amber() at its defaults: parameters within 2 %%, "
-                   "moments lossless every 10 steps)")
+                   "moments lossless every 10 steps, computed in the training process; lowdiff-amber: LowDiff "
+                   "with durable_diffs=Amber(), the same increments computed by the state tier's replica, "
+                   "--runtime ray only)")
     p.add_argument("--runtime", choices=["local", "ray"], default="local",
                    help="A's runtime: 'ray' starts a private one-node Ray (coordinator, node worker, replica)")
+    p.add_argument("--wait-replica", action=argparse.BooleanOptionalAction, default=None,
+                   help="--runtime ray: each A block ends when the state tier's replica has applied its last step "
+                   "(the replica's CPU counted to A, not to the next B block; default on with --runtime ray)")
     p.add_argument("--object-store-mb", type=int, default=1024, help="the private Ray's object store (--runtime ray)")
     p.add_argument("--topk-ratio", type=float, default=0.01)
     p.add_argument("--threads", type=int, help="torch threads per process (default: max(1, cores // world))")
@@ -98,6 +103,42 @@ def _replica(cell: dict, device, spec: jobs.JobSpec, total: int):
     return job, ddp, opt, jobs.make_scheduler(opt, total=total)
 
 
+def _wait_replica(ck, timeout: float = 60.0) -> None:
+    """Until the state tier's replica has applied A's last step (runtime="ray"): its work (an optimizer step per
+    training step, and with durable_diffs="amber" the selection pass) is counted to A's block instead of
+    spilling into the next B block. Polls the replica's status (one actor call per 5 ms)."""
+    import ray
+
+    from ray_ckpt.runtime import naming
+    rep = ray.get_actor(naming.replica_name(ck.run), namespace=naming.NAMESPACE)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = ray.get(rep.status.remote())
+        if not st.get("ok", True) or (st.get("step") is not None and st["step"] >= ck.step):
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"the replica did not reach step {ck.step} within {timeout} s")
+
+
+def _replica_counters(st: dict) -> dict:
+    return (st.get("runtime") or {}).get("replica") or {}
+
+
+def _drop_exact_records(uri: str) -> None:
+    """Delete the main lineage's step records (and its index) from a local checkpoint directory: what storage holds
+    when a LowDiff+ run's memory tier is lost before its records were written (benchmark of the Amber tier)."""
+    from ray_ckpt.engine.restore import load_lineage
+    from ray_ckpt.lineage import index as lineage_index
+    from ray_ckpt.storage import open_storage
+    storage = open_storage(uri)
+    for m in load_lineage(storage, use_index=False)[0].manifests:
+        if m.kind == "diff":
+            storage.delete(m.key)
+            storage.delete(m.object)
+    if storage.exists(lineage_index.INDEX_KEY):
+        storage.delete(lineage_index.INDEX_KEY)
+
+
 def _cell(rank: int, cell: dict, out: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -115,8 +156,11 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
     ck = None
     uri = os.path.join(cell["dir"], "ckpt")
     strategy = ray_ckpt.Amber() if cell.get("strategy") == "amber" else ray_ckpt.LowDiff()
+    durable_amber = ray_ckpt.Amber() if cell.get("strategy") == "lowdiff-amber" else None
     if rank == 0:
         pinned = {kk: cell[kk] for kk in ("full_every", "batch_steps") if cell.get(kk)}
+        if durable_amber is not None:
+            pinned["durable_diffs"] = durable_amber
         rt = {"runtime": "local"}
         if cell.get("ray_address"):
             import ray
@@ -143,6 +187,8 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
         tf = time.perf_counter()
         if rep is a and ck is not None:
             ck.flush()
+            if cell.get("wait_replica"):
+                _wait_replica(ck)
         return time.perf_counter() - t0, time.thread_time() - c0, steps, time.perf_counter() - tf
 
     run(a, 0, w)
@@ -179,7 +225,18 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
                                            - (st0.get("runtime") or {}).get("sender_cpu_seconds", 0.0)) / steps
                                     if st.get("runtime") else None),
             fulls=n_full, policy=ck.policy_report(),
+            replica_fulls=None if not st.get("runtime") else (_replica_counters(st).get("fulls_written", 0)
+                                                              - _replica_counters(st0).get("fulls_written", 0)),
             amber_early_fulls=(st["amber"]["early_fulls"] - st0["amber"]["early_fulls"]) if "amber" in st else None)
+        r1, r0 = _replica_counters(st), _replica_counters(st0)
+        if "apply_seconds" in r1:
+            # the replica's thread time per training step (apply, fulls and Amber included) and Amber's share
+            out["replica_apply_ms_per_step"] = 1e3 * (r1["apply_seconds"] - r0.get("apply_seconds", 0.0)) / steps
+            out["replica_amber_ms_per_step"] = 1e3 * (r1.get("amber_seconds", 0.0) - r0.get("amber_seconds", 0.0)) / steps
+            n_inc = r1.get("amber_increments", 0) - r0.get("amber_increments", 0)
+            if n_inc:
+                out["amber_increments"] = n_inc
+                out["amber_bytes_per_increment"] = (r1["amber_bytes_written"] - r0.get("amber_bytes_written", 0)) / n_inc
         ck.close()
         samples, step = [], None
         for _ in range(3):
@@ -191,6 +248,24 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
             samples.append(time.perf_counter() - t0)
         out["restore_latest_s"] = sorted(samples)[1]
         out["restored_step"] = step
+        if durable_amber is not None:
+            # the same latest step from the Amber tier alone (base full + the replica's increments): the exact
+            # step records deleted from storage, as if both copies in memory were lost before they were written
+            _drop_exact_records(uri)
+            tier_samples = []
+            for _ in range(3):
+                job = jobs.build(spec, dev, seed=99)
+                opt = jobs.make_optimizer(job.model, spec.lr, spec.kind)
+                sched = jobs.make_scheduler(opt, total=total)
+                t0 = time.perf_counter()
+                tstep = ray_ckpt.restore(uri, job.model, opt, scheduler=sched)
+                tier_samples.append(time.perf_counter() - t0)
+            out["restore_tier_s"] = sorted(tier_samples)[1]
+            out["restore_tier_step"] = tstep
+            pairs = list(zip(job.model.parameters(), a[0].model.parameters()))
+            out["restore_tier_within_bound"] = tstep == step and all(
+                bool(((p.double() - q.double()).abs() <= durable_amber.threshold * p.double().abs()
+                      + durable_amber.atol).all()) for p, q in pairs)
         # exactness, while we are here: the restored replica is A's state bitwise (LowDiff), or within the
         # stated bound |restored - true| <= threshold * |restored| (Amber's defaults: atol 0)
         pairs = list(zip(job.model.parameters(), a[0].model.parameters()))
@@ -201,6 +276,7 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
                 bool(((p.double() - q.double()).abs() <= tau * p.double().abs() + strategy.atol).all())
                 for p, q in pairs)
     out["param_count"] = sum(p.numel() for p in a[0].model.parameters())
+    out["wait_replica"] = bool(cell.get("wait_replica"))
     out["full_ckpt_bytes"] = jobs.full_state_bytes(a[0].model, a[2])
     dist.barrier()
 
@@ -215,7 +291,10 @@ def summarize(cell: dict, r0: dict) -> dict:
            **{k: r0.get(k) for k in ("param_count", "full_ckpt_bytes", "diff_bytes_per_step", "full_bytes_per_step",
                                      "bytes_per_full", "capture_ms_per_step", "fulls", "restore_latest_s",
                                      "restored_step", "restore_bitwise", "restore_within_bound", "policy",
-                                     "encode_ms_per_step", "sender_cpu_ms_per_step", "amber_early_fulls")},
+                                     "encode_ms_per_step", "sender_cpu_ms_per_step", "amber_early_fulls",
+                                     "replica_fulls", "replica_apply_ms_per_step", "replica_amber_ms_per_step",
+                                     "amber_increments", "amber_bytes_per_increment", "restore_tier_s",
+                                     "restore_tier_step", "restore_tier_within_bound", "wait_replica")},
            "strategy": cell.get("strategy") or "lowdiff", "runtime": cell.get("runtime") or "local"}
     for basis, ka, kb in (("wall", "a_s", "b_s"), ("thread_cpu", "a_cpu_s", "b_cpu_s")):
         d = [100 * (bl[ka] / bl[kb] - 1) for bl in blocks]
@@ -250,7 +329,7 @@ def targets(cells: list[dict]) -> dict:
             ci = c.get(f"{basis}_ci95_pct")
             if ci is not None:
                 t.update(report.lowdiff_overhead_targets(basis, c[f"{basis}_overhead_pct"], ci, c["blocks"]))
-    lossless = [x for x in cells if x.get("strategy", "lowdiff") == "lowdiff"]
+    lossless = [x for x in cells if x.get("strategy", "lowdiff") in ("lowdiff", "lowdiff-amber")]
     if lossless:
         t["restores_bitwise"] = {"cells": len(lossless),
                                  "verdict": "met" if all(x.get("restore_bitwise") for x in lossless) else "missed"}
@@ -258,18 +337,24 @@ def targets(cells: list[dict]) -> dict:
     if amber:
         t["amber_restores_within_bound"] = {
             "cells": len(amber), "verdict": "met" if all(x.get("restore_within_bound") for x in amber) else "missed"}
+    tier = [x for x in cells if x.get("strategy") == "lowdiff-amber"]
+    if tier:
+        t["amber_tier_restores_within_bound"] = {
+            "cells": len(tier), "verdict": "met" if all(x.get("restore_tier_within_bound") for x in tier) else "missed"}
     # issue #17: Amber's overhead on the trainer <= LowDiff dense's + 1 point; the two cells have separate
     # intervals (each paired with its own reference), so: met when Amber's upper bound is below LowDiff's lower
     # bound + 1, missed when Amber's lower bound is above LowDiff's upper bound + 1, inconclusive otherwise
-    dense = [x for x in lossless if x.get("hook") == "none"]
-    if amber and dense:
+    dense = [x for x in lossless if x.get("hook") == "none" and x.get("strategy", "lowdiff") == "lowdiff"]
+    for name, cand in (("amber", amber), ("amber_tier", tier)):
+        if not (cand and dense):
+            continue
         for basis in ("wall", "thread_cpu"):
-            a_ci, l_ci = amber[0].get(f"{basis}_ci95_pct"), dense[0].get(f"{basis}_ci95_pct")
+            a_ci, l_ci = cand[0].get(f"{basis}_ci95_pct"), dense[0].get(f"{basis}_ci95_pct")
             if a_ci and l_ci:
                 verdict = ("met" if a_ci[1] <= l_ci[0] + 1 else "missed" if a_ci[0] > l_ci[1] + 1
                            else "inconclusive")
-                t[f"amber_overhead_le_lowdiff_dense_plus_1pct_{basis}"] = {
-                    "amber_pct": amber[0][f"{basis}_overhead_pct"], "amber_ci95_pct": a_ci,
+                t[f"{name}_overhead_le_lowdiff_dense_plus_1pct_{basis}"] = {
+                    "amber_pct": cand[0][f"{basis}_overhead_pct"], "amber_ci95_pct": a_ci,
                     "lowdiff_dense_pct": dense[0][f"{basis}_overhead_pct"], "lowdiff_dense_ci95_pct": l_ci,
                     "verdict": verdict}
     return t
@@ -286,7 +371,8 @@ def markdown(result: dict) -> str:
              f"runtime={st.get('runtime', 'local')!r}, rank 0) with "
              f"{'full_every=%s' % st['full_every'] if st['full_every'] else 'the default policy'}"
              f"{', batch_steps=%s' % st['batch_steps'] if st['batch_steps'] else ''}, each A block ends with a timed "
-             "flush(); B = the same without checkpointing; per pair: A / B - 1",
+             f"flush(){' and the replica catching up with its last step' if st.get('wait_replica') else ''}; "
+             "B = the same without checkpointing; per pair: A / B - 1",
              f"- wall time: {result['wall_s'] / 60:.1f} min", "",
              "| job | A | params | workers x threads | pairs | ref step ms | wall overhead | 95% CI "
              "| train-thread CPU overhead | 95% CI | full: snapshot ms / write s / waited s | hooks ms/step "
@@ -311,6 +397,21 @@ def markdown(result: dict) -> str:
             f"| {report._bytes(c.get('diff_bytes_per_step'))} | {report._bytes(c.get('bytes_per_step'))} "
             f"| {report._fmt(100 * c['fraction_of_full'] if c.get('fraction_of_full') else None, '.2f')} "
             f"| {report._fmt(c.get('restore_latest_s'), '.3f')} | {_exact(c)} |")
+    ray_cells = [c for c in result["cells"] if c.get("replica_apply_ms_per_step") is not None]
+    if ray_cells:
+        lines += ["", "The state tier's replica (runtime='ray'):", "",
+                  "| A | replica thread ms/step (apply + fulls + Amber) | of which Amber selection + write | fulls "
+                  "by the replica | Amber increments | bytes / increment (% of a full) | restore latest from the "
+                  "Amber tier alone s | within bound |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for c in ray_cells:
+            bpi = c.get("amber_bytes_per_increment")
+            frac = f" ({100 * bpi / c['full_ckpt_bytes']:.1f} %)" if bpi and c.get("full_ckpt_bytes") else ""
+            lines.append(
+                f"| {c.get('strategy', 'lowdiff')} | {report._fmt(c.get('replica_apply_ms_per_step'), '.1f')} "
+                f"| {report._fmt(c.get('replica_amber_ms_per_step'), '.1f')} | {c.get('replica_fulls')} "
+                f"| {c.get('amber_increments') or '–'} | {report._bytes(bpi) if bpi else '–'}{frac} "
+                f"| {report._fmt(c.get('restore_tier_s'), '.3f')} "
+                f"| {'–' if c.get('restore_tier_within_bound') is None else ('yes' if c['restore_tier_within_bound'] else 'NO')} |")
     lines += ["", "Targets (first row):", ""]
     lines += report.target_lines(result["targets"]) + report.error_lines(result["errors"])
     lines += ["", "Definitions: *overhead* = (1 - w) x median of the paired block differences without a full "
@@ -380,7 +481,7 @@ def run_cell(fork, spec: jobs.JobSpec, world: int, args, workdir: str, log, stra
             "blocks": args.blocks, "block_steps": args.block_steps, "warmup": args.warmup, "hook": args.hook,
             "topk_ratio": args.topk_ratio, "seed": args.seed, "full_every": args.full_every,
             "batch_steps": args.batch_steps, "strategy": strategy, "runtime": args.runtime,
-            "ray_address": ray_address}
+            "ray_address": ray_address, "wait_replica": bool(args.wait_replica)}
     jobs.preload(spec)
     t0 = time.perf_counter()
     procs = [fork.Process(target=cell_main, args=(r, cell)) for r in range(world)]
@@ -438,6 +539,11 @@ def main(argv=None) -> int:
         return 0
     if args.blocks is None:
         args.blocks = 6 if args.scaling else 30
+    if "lowdiff-amber" in args.strategies and args.runtime != "ray":
+        raise SystemExit("--strategies lowdiff-amber (durable_diffs=Amber(), computed by the state tier's replica) "
+                         "needs --runtime ray")
+    if args.wait_replica is None:
+        args.wait_replica = args.runtime == "ray"
     if args.scaling and args.full_every is None:
         args.full_every = 30
     for name in ("blocks", "block_steps", "world"):
@@ -476,7 +582,8 @@ def main(argv=None) -> int:
             host.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     settings = {k: getattr(args, k) for k in ("scaling", "blocks", "block_steps", "warmup", "full_every",
-                                              "batch_steps", "hook", "topk_ratio", "seed", "strategies", "runtime")}
+                                              "batch_steps", "hook", "topk_ratio", "seed", "strategies", "runtime",
+                                              "wait_replica")}
     result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "machine": report.machine_info("cpu"), "settings": settings, "cells": out, "errors": errors,
               "wall_s": time.perf_counter() - t0, "targets": targets(out) if out else {}}

@@ -29,7 +29,7 @@ import logging
 
 from ray_ckpt.format import segments
 from ray_ckpt.format.delta import encode_records
-from ray_ckpt.lineage import Lineage, Manifest, ManifestError, NoCheckpointError, Plan, collectable, diff_name, object_key
+from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, Plan, collectable, diff_name, object_key
 from ray_ckpt.lineage.layout import MANIFESTS_DIR, parse_name
 from ray_ckpt.lineage import index as lineage_index
 from ray_ckpt.storage import ObjectNotFound
@@ -69,19 +69,13 @@ def write_increments(storage, generation: int, records: list, config) -> Manifes
 
 
 def tier_manifests(storage) -> list[Manifest]:
-    """Every committed manifest of the tier (malformed ones are logged and skipped). One listing."""
-    ts = tier_storage(storage)
-    out = []
-    for key in ts.list(MANIFESTS_DIR):
-        if not key.endswith(".json"):
-            continue
-        try:
-            out.append(Manifest.from_json(ts.read(key), key))
-        except ObjectNotFound:
-            continue   # collected between the listing and the read
-        except ManifestError as e:
-            log.warning("ray_ckpt: ignoring malformed manifest %s of the Amber tier: %s", key, e)
-    return out
+    """Every committed manifest of the tier (malformed ones are logged and skipped). One listing; the tier keeps no
+    index (GC bounds it: increments of collected fulls go with them)."""
+    from ray_ckpt.engine.restore import load_lineage   # restore imports this module
+    lin, bad = load_lineage(tier_storage(storage), strict=False, use_index=False)
+    for key in bad:
+        log.warning("ray_ckpt: ignoring malformed manifest %s of the Amber tier", key)
+    return list(lin.manifests)
 
 
 def tier_lineage(main: Lineage, increments: list[Manifest]) -> Lineage:
@@ -93,7 +87,10 @@ def tier_lineage(main: Lineage, increments: list[Manifest]) -> Lineage:
 
 def tier_steps(main: Lineage, increments: list[Manifest]) -> dict[int, list[int]]:
     """``{generation: steps}`` the tier restores on the current timeline (``main``'s supersession rules)."""
-    lin = tier_lineage(main, increments)
+    return _reach(main, tier_lineage(main, increments))
+
+
+def _reach(main: Lineage, lin: Lineage) -> dict[int, list[int]]:
     out = {}
     for gen in lin.generations:
         cap = main.timeline_cap(gen)
@@ -130,7 +127,8 @@ def plan(storage, main: Lineage, step: int | None) -> Plan | None:
         except NoCheckpointError:
             pass
     increments = tier_manifests(storage)
-    reach = tier_steps(main, increments) if increments else {}
+    lin = tier_lineage(main, increments) if increments else None
+    reach = _reach(main, lin) if lin is not None else {}
     if not reach:
         return None
     if step is None:
@@ -144,7 +142,7 @@ def plan(storage, main: Lineage, step: int | None) -> Plan | None:
                     if main.start_of(g) is not None and main.start_of(g) <= step), None)
         if gen is None or step not in reach.get(gen, []):
             return None
-    return tier_lineage(main, increments).plan_in(gen, step)
+    return lin.plan_in(gen, step)
 
 
 def reader(storage, main_reader=None):
