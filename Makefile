@@ -55,7 +55,7 @@ bench-fsdp: $(STAMP)
 # Amber vs LowDiff dense through runtime="ray" (paired blocks, ~15 min), then Amber's selection pass vs memcpy
 # (issue #17)
 bench-amber: $(STAMP)
-	$(PY) -m benchmarks.paired --job gpt:10m:4 --blocks 20 --hook none --strategies lowdiff amber --runtime ray
+	$(PY) -m benchmarks.paired --job gpt:10m:4 --blocks 16 --hook none --strategies lowdiff lowdiff-amber amber --runtime ray
 	$(PY) -m benchmarks.amber_select
 
 clean:
