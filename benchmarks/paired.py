@@ -241,43 +241,38 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
                 out["amber_increments"] = n_inc
                 out["amber_bytes_per_increment"] = (r1["amber_bytes_written"] - r0.get("amber_bytes_written", 0)) / n_inc
         ck.close()
-        samples, step = [], None
-        for _ in range(3):
-            job = jobs.build(spec, dev, seed=99)
-            opt = jobs.make_optimizer(job.model, spec.lr, spec.kind)
-            sched = jobs.make_scheduler(opt, total=total)
-            t0 = time.perf_counter()
-            step = ray_ckpt.restore(uri, job.model, opt, scheduler=sched)
-            samples.append(time.perf_counter() - t0)
-        out["restore_latest_s"] = sorted(samples)[1]
-        out["restored_step"] = step
-        # exactness, while we are here: the restored replica is A's state bitwise (LowDiff), or within the
-        # stated bound |restored - true| <= threshold * |restored| (Amber's defaults: atol 0)
-        pairs = list(zip(job.model.parameters(), a[0].model.parameters()))
-        out["restore_bitwise"] = all(torch.equal(p, q) for p, q in pairs)
-        if cell.get("strategy") == "amber":
-            tau = strategy.threshold
-            out["restore_within_bound"] = all(
-                bool(((p.double() - q.double()).abs() <= tau * p.double().abs() + strategy.atol).all())
-                for p, q in pairs)
-        if durable_amber is not None:
-            # the same latest step from the Amber tier alone (base full + the replica's increments): the exact
-            # step records deleted from storage, as if both copies in memory were lost before they were written
-            _drop_exact_records(uri)
-            tier_samples = []
+        def restore_latest():
+            """Median of 3 restores of the latest step into fresh objects: seconds, step, the last restored job."""
+            samples = []
             for _ in range(3):
                 job = jobs.build(spec, dev, seed=99)
                 opt = jobs.make_optimizer(job.model, spec.lr, spec.kind)
                 sched = jobs.make_scheduler(opt, total=total)
                 t0 = time.perf_counter()
-                tstep = ray_ckpt.restore(uri, job.model, opt, scheduler=sched)
-                tier_samples.append(time.perf_counter() - t0)
-            out["restore_tier_s"] = sorted(tier_samples)[1]
+                got = ray_ckpt.restore(uri, job.model, opt, scheduler=sched)
+                samples.append(time.perf_counter() - t0)
+            return sorted(samples)[1], got, job
+
+        def within(job, cfg) -> bool:
+            """|restored - true| <= threshold * |restored| + atol for every parameter element (Amber's bound)."""
+            return all(bool(((p.double() - q.double()).abs() <= cfg.threshold * p.double().abs() + cfg.atol).all())
+                       for p, q in zip(job.model.parameters(), a[0].model.parameters()))
+
+        out["restore_latest_s"], step, job = restore_latest()
+        out["restored_step"] = step
+        # exactness, while we are here: the restored replica is A's state bitwise (LowDiff), or within the
+        # stated bound (Amber's defaults: atol 0)
+        out["restore_bitwise"] = all(torch.equal(p, q) for p, q in zip(job.model.parameters(),
+                                                                         a[0].model.parameters()))
+        if cell.get("strategy") == "amber":
+            out["restore_within_bound"] = within(job, strategy)
+        if durable_amber is not None:
+            # the same latest step from the Amber tier alone (base full + the replica's increments): the exact
+            # step records deleted from storage, as if both copies in memory were lost before they were written
+            _drop_exact_records(uri)
+            out["restore_tier_s"], tstep, job = restore_latest()
             out["restore_tier_step"] = tstep
-            pairs = list(zip(job.model.parameters(), a[0].model.parameters()))
-            out["restore_tier_within_bound"] = tstep == step and all(
-                bool(((p.double() - q.double()).abs() <= durable_amber.threshold * p.double().abs()
-                      + durable_amber.atol).all()) for p, q in pairs)
+            out["restore_tier_within_bound"] = tstep == step and within(job, durable_amber)
     out["param_count"] = sum(p.numel() for p in a[0].model.parameters())
     out["wait_replica"] = bool(cell.get("wait_replica"))
     out["full_ckpt_bytes"] = jobs.full_state_bytes(a[0].model, a[2])
