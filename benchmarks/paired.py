@@ -214,6 +214,7 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
     out["blocks"] = blocks
     if ck is not None:
         st = ck.stats()
+        r1, r0 = _replica_counters(st), _replica_counters(st0)
         steps = nb * k
         n_full = st["trainer_fulls"] - st0["trainer_fulls"]
         out.update(
@@ -228,12 +229,10 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
                                            - (st0.get("runtime") or {}).get("sender_cpu_seconds", 0.0)) / steps
                                     if st.get("runtime") else None),
             fulls=n_full, policy=ck.policy_report(),
-            replica_fulls=None if not st.get("runtime") else (_replica_counters(st).get("fulls_written", 0)
-                                                              - _replica_counters(st0).get("fulls_written", 0)),
+            replica_fulls=(r1.get("fulls_written", 0) - r0.get("fulls_written", 0)) if st.get("runtime") else None,
             amber_early_fulls=(st["amber"]["early_fulls"] - st0["amber"]["early_fulls"]) if "amber" in st else None)
-        r1, r0 = _replica_counters(st), _replica_counters(st0)
         if "apply_seconds" in r1:
-            # the replica's thread time per training step (apply, fulls and Amber included) and Amber's share
+            # the replica's wall time (perf_counter, under its lock) per training step (apply, fulls and Amber included) and Amber's share
             out["replica_apply_ms_per_step"] = 1e3 * (r1["apply_seconds"] - r0.get("apply_seconds", 0.0)) / steps
             out["replica_amber_ms_per_step"] = 1e3 * (r1.get("amber_seconds", 0.0) - r0.get("amber_seconds", 0.0)) / steps
             n_inc = r1.get("amber_increments", 0) - r0.get("amber_increments", 0)
