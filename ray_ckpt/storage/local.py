@@ -5,6 +5,13 @@ A write goes to ``<dir>/.tmp-<name>.<random>`` in the destination folder, is flu
 over the destination with ``os.replace`` (atomic on POSIX), and the folder is fsynced. A writer killed
 mid-write leaves only a ``.tmp-*`` file, which readers and ``list()`` ignore.
 
+Once fsynced, the pages of an object of at least ``DROP_CACHE_MIN_BYTES`` are dropped from the page cache
+(``POSIX_FADV_DONTNEED``): checkpoint bytes are read back only by a restore, and a run writing every step's
+gradients (GBs an hour) would otherwise fill the page cache with them, evicting the pages training reads and
+making the kernel allocate fresh memory for every write — measured on this project's 2-core VM: 120 ms of CPU
+per 26 MB fsynced write into fresh page cache, 7–12 ms when the written pages are dropped (issue #11). A restore
+then reads from the disk, as it would after any real failure.
+
 Runs in any process; thread-safe (no shared mutable state; temp names are unique per write).
 """
 from __future__ import annotations
@@ -14,6 +21,18 @@ import uuid
 from urllib.parse import quote
 
 from .base import TMP_PREFIX, Data, ObjectNotFound, StorageError, as_buffers, validate_key, validate_prefix
+
+
+#: objects at least this large leave the page cache once durable (see the module docstring)
+DROP_CACHE_MIN_BYTES = 1 << 20
+
+
+def _drop_cached(fd: int) -> None:
+    """Drop ``fd``'s clean pages from the page cache (a hint: no effect where unsupported)."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
 
 
 def _fsync_dir(path: str) -> None:
@@ -89,7 +108,8 @@ class LocalBackend:
 
     # ---- protocol -------------------------------------------------------------------------------------
     def write(self, key: str, data: Data) -> None:
-        """Atomically store ``data`` at ``key`` (temp file, fsync, ``os.replace``, fsync folder).
+        """Atomically store ``data`` at ``key`` (temp file, fsync, ``os.replace``, fsync folder); a large
+        object's pages then leave the page cache.
 
         Runs in any process; thread-safe. Concurrent writers of one key: the last rename wins, whole.
         """
@@ -110,6 +130,8 @@ class LocalBackend:
                         f.write(buf)
                     f.flush()
                     os.fsync(f.fileno())
+                    if f.tell() >= DROP_CACHE_MIN_BYTES:
+                        _drop_cached(f.fileno())
                 os.replace(tmp, path)
             except BaseException:
                 try:
