@@ -12,6 +12,8 @@ Rules (pure functions of the committed manifests):
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -93,14 +95,18 @@ class Lineage:
                  and (target is None or not m.info.get("atomic") or m.last_step <= target)]
         out = {}
         for full in (m for m in ms if m.kind == "full"):
+            # one pass over the diffs in (first, last) order: the running maximum of last_step over the diffs
+            # starting at or before `nxt` is the diff covering `nxt` that reaches furthest (the first such in
+            # that order on a tie), if any covers it — O(diffs) per full, not O(diffs) per chain link
             chain: list[Manifest] = []
             nxt = full.last_step + 1
+            best, i = None, 0
             while True:
-                best = None  # the diff covering `nxt` that reaches furthest
-                for d in diffs:
-                    if d.first_step <= nxt <= d.last_step and (best is None or d.last_step > best.last_step):
-                        best = d
-                if best is None or (target is not None and nxt > target):
+                while i < len(diffs) and diffs[i].first_step <= nxt:
+                    if best is None or diffs[i].last_step > best.last_step:
+                        best = diffs[i]
+                    i += 1
+                if best is None or best.last_step < nxt or (target is not None and nxt > target):
                     break
                 chain.append(best)
                 nxt = best.last_step + 1
@@ -108,31 +114,51 @@ class Lineage:
         return out
 
     def reachable_steps(self, gen: int) -> list[int]:
-        """Every step of ``gen`` that some full + contiguous diffs reproduce (capped by newer generations)."""
+        """Every step of ``gen`` that some full + contiguous diffs reproduce (capped by newer generations).
+
+        From a full at ``f`` the *positions* (next step to replay) start at ``f + 1``; a diff covering a position
+        ``p`` reaches steps ``p .. last`` and every position up to ``last + 1`` where some diff starts or ends; an
+        ``info.atomic`` diff covering ``p`` reaches only its ``last`` step and position ``last + 1``. Positions are
+        visited in increasing order (every move goes forward), so each diff is looked at once per full:
+        O(diffs + steps) per full (the coordinator asks several times a second, over runs of 10⁵ steps)."""
         cap = self._cap(gen)
         ms = self._gens.get(gen, [])
-        diffs = [m for m in ms if m.kind == "diff"]
-        interest = {d.first_step for d in diffs} | {d.last_step + 1 for d in diffs}
+        diffs = [m for m in ms if m.kind == "diff"]          # sorted by (first_step, last_step)
+        plain = [d for d in diffs if not d.info.get("atomic")]
+        atomic = [d for d in diffs if d.info.get("atomic")]
+        interest = sorted({d.first_step for d in diffs} | {d.last_step + 1 for d in diffs})
         steps: set[int] = set()
         for full in (m for m in ms if m.kind == "full"):
             f = full.last_step
             steps.add(f)
             todo, seen = [f + 1], {f + 1}
+            hi = f + 1              # every position up to here that is an interest point is reachable
+            done_to = f + 1         # steps below this are in `steps` already (from this full)
+            i = j = 0
+            k = bisect.bisect_right(interest, f + 1)
             while todo:
-                p = todo.pop()
-                for d in diffs:
-                    if not d.first_step <= p <= d.last_step:
-                        continue
-                    if d.info.get("atomic"):
+                p = heapq.heappop(todo)
+                while i < len(plain) and plain[i].first_step <= p:
+                    d = plain[i]
+                    i += 1
+                    if d.last_step >= p:     # covers p (else it ended before every later position too)
+                        steps.update(range(max(p, done_to), d.last_step + 1))
+                        done_to = max(done_to, d.last_step + 1)
+                        hi = max(hi, d.last_step + 1)
+                while j < len(atomic) and atomic[j].first_step <= p:
+                    d = atomic[j]
+                    j += 1
+                    if d.last_step >= p:
                         steps.add(d.last_step)
-                        nxt = [d.last_step + 1]
-                    else:
-                        steps.update(range(p, d.last_step + 1))
-                        nxt = [q for q in interest if p < q <= d.last_step + 1]
-                    for q in nxt:
-                        if q not in seen:
-                            seen.add(q)
-                            todo.append(q)
+                        if d.last_step + 1 not in seen:
+                            seen.add(d.last_step + 1)
+                            heapq.heappush(todo, d.last_step + 1)
+                while k < len(interest) and interest[k] <= hi:
+                    q = interest[k]
+                    k += 1
+                    if q > p and q not in seen:
+                        seen.add(q)
+                        heapq.heappush(todo, q)
         return sorted(s for s in steps if cap is None or s <= cap)
 
     def uncovered_steps(self, gen: int) -> list[int]:
