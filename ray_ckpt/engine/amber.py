@@ -530,8 +530,8 @@ class AmberImpl:
             raise ValueError("an Amber diff batch holds no step record")
         return encode_records(out), {"base_step": out[0].base_step}
 
-    def decode_diffs(self, data, name: str) -> list:
-        return decode_records(data, name)
+    def decode_diffs(self, data, name: str, *, verify: bool = True, copy: bool = True) -> list:
+        return decode_records(data, name, verify=verify)   # always copied: increments are applied in place
 
     def advance(self, records: list, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 full_step: int) -> None:

@@ -29,7 +29,9 @@ class StrategyImpl(Protocol):
     def encode_diffs(self, records: list) -> tuple[list, dict]:
         """Container buffers of one diff object, and facts for its manifest's ``info`` (e.g. ``atomic``)."""
 
-    def decode_diffs(self, data, name: str) -> list: ...
+    def decode_diffs(self, data, name: str, *, verify: bool = True, copy: bool = True) -> list:
+        """The records of one container. ``verify=False``: skip the data checksum (bytes handed over in memory,
+        checksummed where they were encoded); ``copy=False``: tensors may be read-only views of ``data``."""
 
     def advance(self, records: list, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 full_step: int) -> None:
@@ -52,8 +54,8 @@ class LowDiffImpl:
     def encode_diffs(self, records: list) -> tuple[list, dict]:
         return rec_fmt.encode_steps(records, max_density=self.config.max_sparse_density), {}
 
-    def decode_diffs(self, data, name: str) -> list:
-        return rec_fmt.decode_steps(data, name)
+    def decode_diffs(self, data, name: str, *, verify: bool = True, copy: bool = True) -> list:
+        return rec_fmt.decode_steps(data, name, verify=verify, copy=copy)
 
     def advance(self, records, model, optimizer, full_step: int) -> None:
         from ray_ckpt.engine.capture import apply_group_values
@@ -98,13 +100,15 @@ def impl_for(strategy: Any) -> StrategyImpl:
     raise TypeError(f"strategy must be one of {known} (e.g. ray_ckpt.LowDiff()), got {type(strategy).__name__}")
 
 
-def decode_object(impl: StrategyImpl, data, name: str) -> list:
+def decode_object(impl: StrategyImpl, data, name: str, *, verify: bool = True, copy: bool = True) -> list:
     """The records of a diff object: every segment (see :mod:`ray_ckpt.format.segments`) decoded in order.
     ``data``: the object's bytes, or its buffers as the object store holds them (decoded without joining).
+    ``verify``/``copy``: see :meth:`StrategyImpl.decode_diffs` (the state-tier replica reads each chunk once,
+    straight from the object store: no second checksum pass, no copy before the replay's own).
     Any process that reads objects (restore, replica, CLI)."""
     out: list = []
     for seg in (segments.split_parts(data, name) if isinstance(data, (list, tuple)) else segments.split(data, name)):
-        out.extend(impl.decode_diffs(seg, name))
+        out.extend(impl.decode_diffs(seg, name, verify=verify, copy=copy))
     return out
 
 

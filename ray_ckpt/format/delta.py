@@ -470,10 +470,11 @@ def _int(v, what: str, lo: int = 0) -> int:
     return v
 
 
-def decode_records(data, name: str) -> list[AmberRecord]:
+def decode_records(data, name: str, *, verify: bool = True) -> list[AmberRecord]:
     """Validate and decode an Amber diff object. Every delta is checked against its shape (index range and
-    order, mask length and population, XOR frame size) before anything is applied."""
-    meta, tensors = container.decode_tensors(data, name)
+    order, mask length and population, XOR frame size) before anything is applied. ``verify=False`` skips only
+    the data checksum (an in-memory hand-off checksummed where it was encoded)."""
+    meta, tensors = container.decode_tensors(data, name, verify=verify)
     try:
         if not isinstance(meta, dict) or meta.get("kind") != "amber" or not isinstance(meta.get("records"), list):
             raise TreeError("not an Amber diff object")

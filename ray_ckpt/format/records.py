@@ -178,9 +178,11 @@ def encode_steps(records: list[StepRecord], *, max_density: float = 0.5, extra_m
     return container.encode(meta, tensors)
 
 
-def decode_steps(data, name: str) -> list[StepRecord]:
-    """Validate and decode a batch object into step records (tensors copied out of ``data``)."""
-    meta, tensors = container.decode_tensors(data, name)
+def decode_steps(data, name: str, *, verify: bool = True, copy: bool = True) -> list[StepRecord]:
+    """Validate and decode a batch object into step records (tensors copied out of ``data``; ``copy=False``:
+    read-only views of it, for a consumer that copies what it keeps — :meth:`GradEntry.to_dense` does).
+    ``verify=False`` skips the data checksum (see :func:`ray_ckpt.format.container.decode`)."""
+    meta, tensors = container.decode_tensors(data, name, verify=verify, copy=copy)
     try:
         if not isinstance(meta, dict) or meta.get("kind") != "diff" or not isinstance(meta.get("steps"), list):
             raise TreeError("not a diff batch")
