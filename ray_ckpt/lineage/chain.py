@@ -44,7 +44,7 @@ class Lineage:
     def __init__(self, manifests: Iterable[Manifest], exclude: Iterable[str] = ()):
         excl = set(exclude)
         self.manifests: list[Manifest] = sorted(
-            (m for m in manifests if m.name not in excl),
+            (m for m in manifests if not excl or m.name not in excl),
             key=lambda m: (m.generation, m.first_step, m.last_step, m.kind))
         self._gens: dict[int, list[Manifest]] = {}
         for m in self.manifests:

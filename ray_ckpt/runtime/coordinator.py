@@ -497,9 +497,8 @@ class Coordinator:
 
     def status(self, max_age: float = 0.0) -> dict:
         """The lineage's figures (``max_age``: how old the view of alive nodes may be, see ``_alive_nodes``)."""
-        heads = {}
-        for key, durable_only in (("recoverable_step", False), ("durable_step", True)):
-            heads[key] = self._lineage(durable_only, max_age).head()
+        anywhere, durable = self._lineage(False, max_age), self._lineage(True)
+        heads = {"recoverable_step": anywhere.head(), "durable_step": durable.head()}
         alive = self._alive_nodes(max_age)
         r = self.replica
         return {**heads, "objects": len(self.entries), "gaps": list(self.gaps),
@@ -510,14 +509,18 @@ class Coordinator:
                 "replicated_objects": sum(1 for e in self.entries.values()
                                           if sum(n in alive for n in e.holders) >= 2),
                 "generation": self._last_generation, "failures": len(self.failures),
-                "restorable": self.restorable(max_age), "started_at": self.started_at, "lease_lost": self.lease_lost}
+                "restorable": self._restorable(durable, anywhere), "started_at": self.started_at,
+                "lease_lost": self.lease_lost}
 
     def restorable(self, max_age: float = 0.0) -> dict:
         """Which steps of the current generation restore from which tier: ``{"durable": ranges (storage alone),
         "memory": ranges (only while the memory tier holds them)}``, ranges as ``[[first, last], ...]``."""
+        return self._restorable(self._lineage(durable_only=True), self._lineage(max_age=max_age))
+
+    def _restorable(self, durable_lineage: Lineage, lineage: Lineage) -> dict:
         gen = self._last_generation
-        durable = set(self._lineage(durable_only=True).reachable_steps(gen))
-        anywhere = set(self._lineage(max_age=max_age).reachable_steps(gen))
+        durable = set(durable_lineage.reachable_steps(gen))
+        anywhere = set(lineage.reachable_steps(gen))
         return {"generation": gen, "durable": [list(r) for r in _runs(sorted(durable))],
                 "memory": [list(r) for r in _runs(sorted(anywhere - durable))]}
 
