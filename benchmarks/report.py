@@ -438,7 +438,7 @@ def markdown(result: dict, all_configs) -> str:
             if "replica_lag_p50" in s or "actor_cpu_per_step_ms" in s:
                 cpu = s.get("actor_cpu_per_step_ms") or {}
                 extra.append(f"- {labels.get(name, name)}: state-tier replica lag (steps behind the trainer, sampled "
-                             f"4x a second) p50 {s.get('replica_lag_p50', '–')} / p99 {s.get('replica_lag_p99', '–')}; "
+                             f"twice a second) p50 {s.get('replica_lag_p50', '–')} / p99 {s.get('replica_lag_p99', '–')}; "
                              "CPU per training step of the ray_ckpt actors: "
                              + (", ".join(f"{k} {v:.1f} ms" for k, v in cpu.items()) or "–"))
             if "uncommitted_lag_median" in s:

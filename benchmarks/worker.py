@@ -471,10 +471,12 @@ class LowDiffRaySaver(LowDiffSaver):
                     self.actor_pids[role] = ray.get(h.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
                 except Exception:  # noqa: BLE001 - accounting only
                     pass
-            if "replica" in self.actor_pids:   # the replica's lag behind the trainer, sampled 4 times a second
+            if "replica" in self.actor_pids:   # the replica's lag behind the trainer, sampled twice a second
                 import threading
                 self._sampling = True
-                self._coord = ray.get_actor(naming.coordinator_name(ctx.seg["run"]), namespace=naming.NAMESPACE)
+                # the replica's own status (a lock and a dict), not the coordinator's (which computes the lineage's
+                # figures): the sampler must not add to the cost it measures
+                self._replica = ray.get_actor(naming.replica_name(ctx.seg["run"]), namespace=naming.NAMESPACE)
                 self._sampler = threading.Thread(target=self._sample_lag, daemon=True)
                 self._sampler.start()
 
@@ -482,12 +484,12 @@ class LowDiffRaySaver(LowDiffSaver):
         import ray
         while self._sampling:
             try:
-                rep = ray.get(self._coord.status.remote(), timeout=10).get("replica")
-                if rep and rep.get("ok") and self.ck is not None:
+                rep = ray.get(self._replica.status.remote(), timeout=10)
+                if rep.get("ok") and rep.get("step") is not None and self.ck is not None:
                     self.replica_lag.append(max(0, self.ck.step - rep["step"]))
             except Exception:  # noqa: BLE001 - accounting only
                 pass
-            time.sleep(0.25)
+            time.sleep(0.5)
 
     def finish(self):
         self._sampling = False
