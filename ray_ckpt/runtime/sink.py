@@ -311,6 +311,7 @@ class RaySink(BoundedSink):
     def _send(self, c: _Chunk) -> None:
         reply = self._call(lambda w: w.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps),
                            f"hand-off of {c.manifest.name}")
+        self._poll_t = time.monotonic()   # the answer says what became safe: no poll while hand-offs are frequent
         self._on_reply(reply)
 
     def _call(self, fn, what: str):
