@@ -576,3 +576,46 @@ def test_storage_layer_imports_no_torch_or_ray():
     out, err = child.communicate(timeout=60)
     assert child.returncode == 0, err
     assert out.strip() == "[]"
+
+
+def _resident_pages(path: str) -> tuple[int, int]:
+    """``(resident, total)`` pages of ``path`` in the page cache (Linux ``mincore`` on a read-only mapping)."""
+    import ctypes
+    import mmap
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        try:
+            assert libc.mincore(ctypes.c_void_p(addr), size, vec) == 0, ctypes.get_errno()
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec), pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "posix_fadvise"),
+                    reason="page-cache residency is read with Linux mincore")
+def test_large_local_objects_leave_the_page_cache_once_durable(tmp_path):
+    """A checkpoint object of at least DROP_CACHE_MIN_BYTES is not left in the page cache after its fsync
+    (issue #11: a long dense run otherwise fills the page cache and every write takes fresh memory); a small one
+    (manifests) stays. Both read back byte for byte."""
+    from ray_ckpt.storage.local import DROP_CACHE_MIN_BYTES
+    b = open_storage(str(tmp_path / "store"))
+    big = np.random.default_rng(0).integers(0, 255, size=8 * DROP_CACHE_MIN_BYTES, dtype=np.uint8)
+    b.write("objects/big", [big[: len(big) // 2], big[len(big) // 2:]])
+    b.write("manifests/small", b"x" * 4096)
+    resident, pages = _resident_pages(str(tmp_path / "store" / "objects" / "big"))
+    assert pages >= 2048 and resident <= pages // 10, (resident, pages)
+    small_resident, small_pages = _resident_pages(str(tmp_path / "store" / "manifests" / "small"))
+    assert small_resident == small_pages == 1
+    assert b.read("objects/big") == big.tobytes() and b.read("manifests/small") == b"x" * 4096
