@@ -339,7 +339,7 @@ class PersistenceWorker:
     def cover(self, generation: int, step: int) -> int:
         """A durable full of ``generation`` at ``step`` exists: lazy diffs up to it need never be written (they
         stay held, releasable like durable objects, for restores of older steps while memory allows)."""
-        n = 0
+        covered: list[str] = []
         with self._cv:
             chunks = self._pending.get(generation, {})
             for first in [f for f, (m, _) in chunks.items() if m.last_step <= step and _lazy(m)]:
@@ -349,7 +349,9 @@ class PersistenceWorker:
                 if m.generation == generation and m.kind == "diff" and m.last_step <= step and _lazy(m) \
                         and not h.durable:
                     h.durable = True   # for release and persist: a durable full covers its steps
-                    n += 1
+                    covered.append(m.name)
+            n = len(covered)
+            self._mark_safe_locked(covered)   # the sender may drop them: nothing will ever write them
             self._stats["covered"] += n
             self._cv.notify_all()
         return n
@@ -410,14 +412,20 @@ class PersistenceWorker:
 
     def _mark_safe(self, names: list[str], peer: str | None = None) -> None:
         with self._cv:
-            for n in names:
-                h = self._held.get(n)
-                if h is None or h.replica:
-                    continue
-                if peer is not None:
-                    h.peer = peer
-                self._newly_safe.setdefault(h.manifest.generation, []).append(n)
+            self._mark_safe_locked(names, peer)
             self._cv.notify_all()
+
+    def _mark_safe_locked(self, names: list[str], peer: str | None = None) -> None:
+        """Tell the sender (next answer) that ``names`` are safe. Called under the lock that made them safe: a
+        durable object may be released by the budget the moment the lock is let go, and one released before
+        this ran was never reported safe (its sender waited for it until its flush failed)."""
+        for n in names:
+            h = self._held.get(n)
+            if h is None or h.replica:
+                continue
+            if peer is not None:
+                h.peer = peer
+            self._newly_safe.setdefault(h.manifest.generation, []).append(n)
 
     # -- writer thread -----------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -548,8 +556,8 @@ class PersistenceWorker:
                     if h.peer:
                         peers.setdefault(h.peer, []).append(n)
             self._reports.append(("durable", m.to_json(), covers))
+            self._mark_safe_locked(covers)
             self._cv.notify_all()
-        self._mark_safe(covers)
         for node, names in peers.items():
             try:
                 ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).mark_durable.remote(names)
