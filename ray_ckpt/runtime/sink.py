@@ -10,7 +10,9 @@ Call order, all in the training process::
                     within ``handoff_delay`` seconds, whichever comes first; at once when records arrive further
                     apart than ``handoff_delay`` (slow steps: nothing to batch) — encodes it once (one segment, the
                     checksum computed while encoding) and hands it to this node's PersistenceWorker in ONE
-                    actor call; fulls are handed over as they are (their buffers, no concatenation)
+                    actor call, whose answer it collects later (at most ``_MAX_INFLIGHT`` unanswered: the next
+                    chunk is encoded meanwhile); fulls are handed over as they are (their buffers, no
+                    concatenation)
     flush()         training thread: hands over what is collected and waits until everything is durable
 
 Fixed cost per step in this process: the capture's copy on the training thread, and a share of one encode and
@@ -53,6 +55,11 @@ _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError
 _METRICS_S = 1.0        # how often the sender publishes the training thread's metrics
 _POLL_S = 0.25          # how often an idle sender asks the worker which chunks became safe
 _CONTROL_S = 0.5        # how often the sender asks the coordinator for full-checkpoint control
+#: hand-offs whose answer the sender has not waited for yet: it encodes the next chunk while the worker copies the
+#: last one into the object store (on a busy machine that copy waits for a core, and a sender blocked on it filled
+#: its queue and stalled the training thread: issue #11)
+_MAX_INFLIGHT = 2
+_REAP_S = 0.05          # how soon an idle sender collects the answers of hand-offs in flight
 
 
 #: encoded buffers smaller than this are laid end to end into one array before the hand-off: Ray pickles each
@@ -116,6 +123,7 @@ class RaySink(BoundedSink):
         self._coordinator = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
         self._incarnation: str | None = None
         self._unsafe: "collections.OrderedDict[str, _Chunk]" = collections.OrderedDict()
+        self._inflight: collections.deque = collections.deque()   # (answer ref, chunk) of unanswered hand-offs
         self._control = {"want_full": False, "delegate": False}
         self._control_ref = None
         self._control_t = 0.0
@@ -196,6 +204,8 @@ class RaySink(BoundedSink):
                         waits.append(chunk_t0 + self.handoff_delay - now)
                     if self._unsafe:
                         waits.append(self._poll_t + _POLL_S - now)
+                    if self._inflight:
+                        waits.append(_REAP_S)
                     waits.append(self._control_t + _CONTROL_S - now)
                     timeout = min(waits)
                     if timeout <= 0:
@@ -309,10 +319,51 @@ class RaySink(BoundedSink):
         st.encode_seconds = self.handoff_seconds
 
     def _send(self, c: _Chunk) -> None:
+        """Hand ``c`` over without waiting for the answer; wait for the oldest when ``_MAX_INFLIGHT`` are
+        unanswered. The worker is threaded, so two hand-offs may run in either order there: its write queue, the
+        lineage and the replica order chunks by step, and a resend of a chunk it holds replaces it."""
+        try:
+            ref = self.worker.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps)
+        except _RETRYABLE:
+            self._send_sync(c)
+            return
+        self.actor_calls += 1
+        self._inflight.append((ref, c))
+        while len(self._inflight) > _MAX_INFLIGHT:
+            self._complete(*self._inflight.popleft())
+
+    def _send_sync(self, c: _Chunk) -> None:
         reply = self._call(lambda w: w.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps),
                            f"hand-off of {c.manifest.name}")
         self._poll_t = time.monotonic()   # the answer says what became safe: no poll while hand-offs are frequent
         self._on_reply(reply)
+
+    def _complete(self, ref, c: _Chunk) -> None:
+        """The answer of one hand-off in flight; a worker that died meanwhile gets the chunk again (its new
+        incarnation's answer then brings the resend of every unsafe chunk)."""
+        try:
+            reply = ray.get(ref)
+        except _RETRYABLE as e:
+            if self._unsafe.get(c.manifest.name) is not c:
+                return   # secured meanwhile (an answer to another call said so)
+            log.warning("ray_ckpt: persistence worker unavailable during hand-off of %s (%s); retrying",
+                        c.manifest.name, e)
+            self._send_sync(c)
+            return
+        self._poll_t = time.monotonic()
+        self._on_reply(reply)
+
+    def _drain_inflight(self) -> None:
+        while self._inflight:
+            self._complete(*self._inflight.popleft())
+
+    def _reap_inflight(self) -> None:
+        """Collect the answers that arrived (sender thread, never blocks)."""
+        while self._inflight:
+            ready, _ = ray.wait([self._inflight[0][0]], timeout=0)
+            if not ready:
+                return
+            self._complete(*self._inflight.popleft())
 
     def _call(self, fn, what: str):
         """One call to the node's worker; when the actor is restarting, retry (the new incarnation's first
@@ -345,13 +396,14 @@ class RaySink(BoundedSink):
                 if self._unsafe.get(c.manifest.name) is not c:
                     continue   # became safe meanwhile (an answer to an earlier resend): its buffers are recycled
                 self.resent_chunks += 1
-                self._send(c)
+                self._send_sync(c)
         self._incarnation = reply["incarnation"]
         if reply.get("error"):   # a write failed beyond its retry budget, or for good: the training thread hears
             raise WriterError(f"the persistence worker on node {reply['node'][:12]} cannot write to storage "
                               f"{self.storage.uri}: {reply['error']}")
 
     def _housekeeping(self) -> None:
+        self._reap_inflight()
         now = time.monotonic()
         if now - self._metrics_t >= _METRICS_S:
             self._metrics_t = now
@@ -381,6 +433,7 @@ class RaySink(BoundedSink):
                 self._control_ref = None
 
     def _wait_safe(self) -> None:
+        self._drain_inflight()
         deadline = time.monotonic() + 300
         while self._unsafe:
             if time.monotonic() > deadline:
@@ -390,6 +443,7 @@ class RaySink(BoundedSink):
 
     def _flush_worker(self) -> None:
         """Everything handed over is durable (resending to a restarted worker as often as needed)."""
+        self._drain_inflight()
         for _ in range(self.submit_retries):
             self._call(lambda w: w.flush.remote(), "flush")
             self._on_reply(self._call(lambda w: w.poll.remote(self.generation), "poll"))
