@@ -122,6 +122,7 @@ class RaySink(BoundedSink):
         ray.get(self.worker.ping.remote())  # started and ready before the first step is handed over
         self._coordinator = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
         self._incarnation: str | None = None
+        self._retired: set[str] = set()   # incarnations of this node's worker seen replaced
         self._unsafe: "collections.OrderedDict[str, _Chunk]" = collections.OrderedDict()
         self._inflight: collections.deque = collections.deque()   # (answer ref, chunk) of unanswered hand-offs
         self._control = {"want_full": False, "delegate": False}
@@ -386,7 +387,10 @@ class RaySink(BoundedSink):
                 c.arrays = []
                 rec_fmt.recycle(c.records)
                 self._release(c.size)
-        if self._incarnation is not None and reply["incarnation"] != self._incarnation:
+        if reply["incarnation"] in self._retired:
+            pass   # a late answer of an incarnation already replaced (a hand-off in flight when it restarted)
+        elif self._incarnation is not None and reply["incarnation"] != self._incarnation:
+            self._retired.add(self._incarnation)
             self._incarnation = reply["incarnation"]
             todo = list(self._unsafe.values())
             self.restarts_seen += 1
@@ -397,7 +401,8 @@ class RaySink(BoundedSink):
                     continue   # became safe meanwhile (an answer to an earlier resend): its buffers are recycled
                 self.resent_chunks += 1
                 self._send_sync(c)
-        self._incarnation = reply["incarnation"]
+        else:
+            self._incarnation = reply["incarnation"]
         if reply.get("error"):   # a write failed beyond its retry budget, or for good: the training thread hears
             raise WriterError(f"the persistence worker on node {reply['node'][:12]} cannot write to storage "
                               f"{self.storage.uri}: {reply['error']}")
