@@ -47,6 +47,7 @@ class Lineage:
             (m for m in manifests if not excl or m.name not in excl),
             key=lambda m: (m.generation, m.first_step, m.last_step, m.kind))
         self._gens: dict[int, list[Manifest]] = {}
+        self._reach: dict[int, list[int]] = {}   # reachable_steps per generation (this view never changes)
         for m in self.manifests:
             self._gens.setdefault(m.generation, []).append(m)
 
@@ -120,7 +121,13 @@ class Lineage:
         ``p`` reaches steps ``p .. last`` and every position up to ``last + 1`` where some diff starts or ends; an
         ``info.atomic`` diff covering ``p`` reaches only its ``last`` step and position ``last + 1``. Positions are
         visited in increasing order (every move goes forward), so each diff is looked at once per full:
-        O(diffs + steps) per full (the coordinator asks several times a second, over runs of 10⁵ steps)."""
+        O(diffs + steps) per full (the coordinator asks several times a second, over runs of 10⁵ steps); computed
+        once per generation of this view (``head``, ``resolve`` and the coordinator's figures share it)."""
+        if gen not in self._reach:
+            self._reach[gen] = self._reachable(gen)
+        return list(self._reach[gen])
+
+    def _reachable(self, gen: int) -> list[int]:
         cap = self._cap(gen)
         ms = self._gens.get(gen, [])
         diffs = [m for m in ms if m.kind == "diff"]          # sorted by (first_step, last_step)
