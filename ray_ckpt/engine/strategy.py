@@ -63,20 +63,27 @@ class LowDiffImpl:
         if steps != list(range(full_step + 1, full_step + 1 + len(records))):
             raise ValueError(f"LowDiff replay needs every step after {full_step}; got {steps[:5]}...")
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        # gradient tensors reused from step to step, as a training loop's zero_grad(set_to_none=False) does: only
+        # for torch's own optimizers, which never keep a reference to a gradient (another might alias it in its
+        # state, where training handed it a fresh tensor each step)
+        reuse = type(optimizer).__module__.startswith("torch.optim.") and len(records) > 1
+        grad_bufs: list = [None] * len(params)
         try:
             for rec in records:
                 if len(rec.grads) != len(params):
                     raise ValueError(f"step {rec.step} recorded {len(rec.grads)} parameters, the optimizer has "
                                      f"{len(params)}: restore into the same model and optimizer layout")
                 apply_group_values(optimizer, rec.hparams)
-                for p, g in zip(params, rec.grads):
+                for i, (p, g) in enumerate(zip(params, rec.grads)):
                     if g is None:
                         p.grad = None
                     elif tuple(p.shape) != g.shape:
                         raise ValueError(f"step {rec.step}: gradient of shape {g.shape} for a parameter of "
                                          f"shape {tuple(p.shape)}")
                     else:
-                        p.grad = g.to_dense(p.device)
+                        p.grad = g.to_dense(p.device, out=grad_bufs[i])
+                        if reuse:
+                            grad_bufs[i] = p.grad
                 optimizer.step()
         finally:
             for p in params:

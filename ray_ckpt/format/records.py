@@ -43,12 +43,24 @@ class GradEntry:
             n += self.indices.numel() * self.indices.element_size()
         return n
 
-    def to_dense(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """The gradient as the optimizer saw it, on ``device``. Exact: sparse entries are scattered into +0."""
-        vals = self.values.to(device) if device is not None else self.values
+    def to_dense(self, device: torch.device | str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The gradient as the optimizer saw it, on ``device``. Exact: sparse entries are scattered into +0.
+
+        ``out``: a tensor of this shape and dtype on ``device`` to write into instead of allocating (a replay
+        reuses one per parameter across its steps: a fresh multi-MB block costs a page fault per 4 KiB page)."""
+        if out is not None and (tuple(out.shape) != self.shape or out.dtype != self.values.dtype
+                                or (device is not None and out.device != torch.device(device))):
+            out = None
         if self.indices is None:
+            if out is not None:
+                return out.copy_(self.values.reshape(self.shape))
+            vals = self.values.to(device) if device is not None else self.values
             return vals.reshape(self.shape).clone() if vals is self.values else vals.reshape(self.shape)
-        out = torch.zeros(self.shape, dtype=vals.dtype, device=vals.device)
+        vals = self.values.to(device) if device is not None else self.values
+        if out is None:
+            out = torch.zeros(self.shape, dtype=vals.dtype, device=vals.device)
+        else:
+            out.zero_()
         out.view(-1).index_copy_(0, self.indices.to(device=vals.device, dtype=torch.int64), vals)
         return out
 
