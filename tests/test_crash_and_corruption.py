@@ -103,7 +103,7 @@ def test_hostile_checkpoint_is_refused_without_side_effects(tmp_path):
     payload = pickle.dumps(Evil())
     (uri / "objects" / "g000001-full-000000000000.rckpt").write_bytes(payload)
     m = json.loads(mpath.read_text())
-    m.update(nbytes=len(payload), crc32=zlib.crc32(payload))
+    m.update(nbytes=len(payload), crc32=zlib.crc32(payload), crc_alg="crc32")
     mpath.write_text(json.dumps(m))
     model, opt = _fresh()
     before = [p.detach().clone() for p in model.parameters()]

@@ -219,3 +219,58 @@ def test_decode_from_parts_without_joining():
     segs = segments.split_parts(list(parts), "parts")
     assert len(segs) == 1 and isinstance(segs[0], list)
     assert len(segments.split_parts([joined[:half], joined[half:]], "halves")) == 1
+
+
+# -- checksums: CRC-32C for new objects, zlib's CRC-32 still read ---------------------------------------------------
+@pytest.mark.parametrize("alg", ["crc32", "crc32c"])
+def test_checksum_of_a_concatenation_from_its_parts(alg):
+    from ray_ckpt.format import checksum, segments
+    rng = random.Random(7)
+    data = bytes(rng.getrandbits(8) for _ in range(5000))
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(len(data) + 1), rng.randint(0, 4)))
+        parts = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+        crc, n = segments.combine_all([(checksum.compute(alg, p), len(p)) for p in parts], alg)
+        assert (crc, n) == (checksum.compute(alg, data), len(data))
+    assert checksum.compute("crc32", data) == zlib.crc32(data)
+    assert checksum.compute("crc32c", b"123456789") == 0xE3069283     # the CRC-32C check value
+
+
+def test_new_objects_use_the_fast_checksum_and_old_ones_still_decode(monkeypatch):
+    from ray_ckpt.format import checksum, segments
+    from ray_ckpt.lineage.manifest import CRC_ALGORITHMS
+    assert CRC_ALGORITHMS == checksum.ALGORITHMS
+    assert checksum.DEFAULT == "crc32c"     # the crc32c package (a dependency) has its hardware implementation here
+    ts = {"w": torch.randn(300), "b": torch.arange(7)}
+    for alg in ("crc32", "crc32c"):
+        monkeypatch.setattr(checksum, "DEFAULT", alg)
+        bufs = container.encode({"k": 1}, ts)
+        data = b"".join(bytes(b) for b in bufs)
+        header = json.loads(data[20:20 + struct.unpack_from("<Q", data, 8)[0]])
+        assert header.get("data_crc_alg", "crc32") == alg
+        crc, n, got = segments.object_crc(bufs)
+        assert (crc, n, got) == (checksum.compute(alg, data), len(data), alg)
+        monkeypatch.setattr(checksum, "DEFAULT", "crc32c" if alg == "crc32" else "crc32")   # the reader's default
+        _, out = container.decode_tensors(data, "x")
+        assert all(torch.equal(out[k], ts[k]) for k in ts)
+        bad = bytearray(data)
+        bad[-3] ^= 1
+        with pytest.raises(CorruptObjectError, match="data checksum mismatch"):
+            container.decode(bytes(bad), "x")
+        with pytest.raises(CorruptObjectError, match="data checksum mismatch"):
+            container.decode([bufs[0], bytes(bad[len(bufs[0]):])], "x")
+
+
+def test_unknown_checksum_algorithms_are_refused():
+    forged = _forge({"meta": {}, "tensors": [], "data_len": 0, "data_crc": 0, "data_crc_alg": "md5"})
+    with pytest.raises(CorruptObjectError, match="unknown checksum algorithm"):
+        container.decode(forged, "hostile")
+    m = Manifest(kind="full", generation=1, first_step=0, last_step=0, object=object_key(full_name(1, 0)),
+                 nbytes=1, crc32=0)
+    d = json.loads(m.to_json())
+    assert Manifest.from_json(json.dumps(d).encode()).crc_alg == "crc32"
+    d.pop("crc_alg")                        # a manifest written before CRC-32C
+    assert Manifest.from_json(json.dumps(d).encode()).crc_alg == "crc32"
+    d["crc_alg"] = "sha1"
+    with pytest.raises(ManifestError, match="unknown checksum algorithm"):
+        Manifest.from_json(json.dumps(d).encode())

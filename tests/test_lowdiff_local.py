@@ -289,3 +289,40 @@ def test_replay_reuses_gradient_tensors_only_where_exact(opt_cls):
         assert len({id(t) for t in seen}) == len(recs)          # a fresh tensor per step
         for t, r in zip(seen, recs):
             assert torch.equal(t, r.grads[0].to_dense())          # still that step's values
+
+
+def test_a_lineage_checksummed_with_crc32_restores_and_continues(tmp_path, monkeypatch):
+    """Objects written before CRC-32C (zlib's CRC-32, manifests without ``crc_alg``) restore bit-exact; the run
+    continues on the same lineage with CRC-32C objects, and restores across both kinds are exact and verified."""
+    import json
+
+    from ray_ckpt.format import checksum
+    monkeypatch.setattr(checksum, "DEFAULT", "crc32")
+    uri, live = _run(tmp_path, "mlp", "adamw", steps=30, full_every=25, batch_steps=4)
+    mdir = tmp_path / "ckpt" / "manifests"
+    for p in mdir.glob("*.json"):            # as an older ray_ckpt wrote them
+        d = json.loads(p.read_text())
+        assert d.pop("crc_alg") == "crc32"
+        p.write_text(json.dumps(d))
+    monkeypatch.setattr(checksum, "DEFAULT", "crc32c")
+    for s in (0, 10, 27, 30):
+        got, model, opt, sch = _restore(uri, "mlp", "adamw", s)
+        assert got == s
+        T.assert_same(live[s], T.snapshot(model, opt, sch), f"crc32 lineage step {s}")
+    got, model, opt, sch = _restore(uri, "mlp", "adamw", None)
+    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=25, batch_steps=4) as ck:
+        for s in range(30, 40):
+            T.train_step("mlp", model, opt, sch, s)
+        assert ck.step == 40
+    algs = {json.loads(p.read_text()).get("crc_alg", "crc32") for p in mdir.glob("*.json")}
+    assert algs == {"crc32", "crc32c"}
+    want = T.snapshot(model, opt, sch)
+    got, model, opt, sch = _restore(uri, "mlp", "adamw", None)
+    assert got == 40
+    T.assert_same(want, T.snapshot(model, opt, sch), "continued on CRC-32C")
+    obj = next(p for p in (tmp_path / "ckpt" / "objects").glob("*.rckpt") if "g000002" in p.name)
+    raw = bytearray(obj.read_bytes())
+    raw[-5] ^= 0x10
+    obj.write_bytes(bytes(raw))
+    with pytest.raises(ray_ckpt.CorruptObjectError):   # a CRC-32C object is verified as well
+        _restore(uri, "mlp", "adamw", 40, fallback=False)

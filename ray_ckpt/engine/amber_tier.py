@@ -56,10 +56,10 @@ def write_increments(storage, generation: int, records: list, config) -> Manifes
     if len(bases) != 1:
         raise ValueError(f"one object of the Amber tier builds on one full; got bases {sorted(bases)}")
     bufs = encode_records(records)
-    crc, n = segments.object_crc(bufs)
+    crc, n, alg = segments.object_crc(bufs)
     name = diff_name(generation, records[0].step, records[-1].step)
     m = Manifest(kind="diff", generation=generation, first_step=records[0].step, last_step=records[-1].step,
-                 object=object_key(name), nbytes=n, crc32=crc, strategy="amber",
+                 object=object_key(name), nbytes=n, crc32=crc, crc_alg=alg, strategy="amber",
                  info={"tier": TIER, "base_step": records[0].base_step, "computed_on": "replica",
                        "lossless": all(r.lossless for r in records), "amber": dataclasses.asdict(config)})
     ts = tier_storage(storage)

@@ -7,7 +7,6 @@ touched, so a corrupt checkpoint never leaves a half-restored model behind.
 from __future__ import annotations
 
 import logging
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,6 +15,7 @@ import torch
 from ray_ckpt.engine.capture import (ATTACHED_ATTR, RESTORED_STEP_ATTR, apply_group_values, as_stateful,
                                      set_rng_state)
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
+from ray_ckpt.format import checksum
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.format.records import FullState
@@ -147,7 +147,11 @@ def read_object(storage, m: Manifest, reader: Callable[[Manifest], Any] | None =
     n = memoryview(data).nbytes
     if n != m.nbytes:
         raise CorruptObjectError(m.object, f"size {n} bytes, manifest says {m.nbytes} (truncated or replaced)")
-    if zlib.crc32(data) != m.crc32:
+    try:
+        crc = checksum.compute(m.crc_alg, data)
+    except ValueError as e:      # an algorithm this version does not know
+        raise CorruptObjectError(m.object, str(e)) from None
+    if crc != m.crc32:
         raise CorruptObjectError(m.object, "checksum mismatch with its manifest")
     return data
 

@@ -19,10 +19,10 @@ import collections
 import logging
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ray_ckpt.format import checksum
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Lineage, Manifest, collectable, diff_name, full_name, gc_cutoff, object_key
@@ -264,12 +264,13 @@ class AsyncWriter(BoundedSink):
     def _commit(self, kind: str, name: str, first: int, last: int, bufs: list, info: dict | None = None) -> None:
         crc = 0
         nbytes = 0
+        alg = checksum.DEFAULT
         for b in bufs:
-            crc = zlib.crc32(b, crc)
+            crc = checksum.compute(alg, b, crc)
             nbytes += memoryview(b).nbytes
         okey = object_key(name)
         manifest = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
-                            object=okey, nbytes=nbytes, crc32=crc, strategy=self.impl.name,
+                            object=okey, nbytes=nbytes, crc32=crc, crc_alg=alg, strategy=self.impl.name,
                             info={**self.info, **(info or {})})
         if self.lease is not None:   # another job took the lineage over: stop before writing anything of ours
             def renew():

@@ -6,7 +6,8 @@ Layout of one object (all integers little-endian)::
     header_len   u64       length of the JSON header in bytes
     header_crc   u32       zlib.crc32 of the header bytes
     header       JSON      {"meta": <any JSON>, "tensors": [{name, dtype, shape, offset, nbytes, codec}],
-                            "data_len": int, "data_crc": u32 of the data section}
+                            "data_len": int, "data_crc": u32 of the data section,
+                            "data_crc_alg": "crc32c" (absent: "crc32"; see ray_ckpt.format.checksum)}
     padding      to a multiple of 64 bytes
     data         the tensors' bytes, each starting at a multiple of 64 bytes of the data section
 
@@ -30,6 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ray_ckpt.format import checksum as _checksum
 from ray_ckpt.format import safejson
 
 MAGIC = b"RCKPT\x00\x01\x00"
@@ -111,6 +113,7 @@ def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray], *,
     payloads: list[np.ndarray] = []
     offset = 0
     crc = 0
+    alg = _checksum.DEFAULT
     for name, t in tensors.items():
         if isinstance(t, np.ndarray):
             t = torch.from_numpy(np.ascontiguousarray(t))
@@ -120,16 +123,17 @@ def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray], *,
         pad = (-raw.nbytes) % ALIGN
         payloads.append(raw)
         if checksum:
-            crc = zlib.crc32(raw, crc)
+            crc = _checksum.compute(alg, raw, crc)
         if pad:
             zeros = bytes(pad)
             payloads.append(np.frombuffer(zeros, dtype=np.uint8))
             if checksum:
-                crc = zlib.crc32(zeros, crc)
+                crc = _checksum.compute(alg, zeros, crc)
         offset += raw.nbytes + pad
-    header = json.dumps({"meta": meta, "tensors": entries, "data_len": offset,
-                         "data_crc": crc if checksum else None},
-                        separators=(",", ":"), allow_nan=True).encode()
+    head = {"meta": meta, "tensors": entries, "data_len": offset, "data_crc": crc if checksum else None}
+    if checksum and alg != _checksum.CRC32:
+        head["data_crc_alg"] = alg
+    header = json.dumps(head, separators=(",", ":"), allow_nan=True).encode()
     prefix = _PREFIX.pack(MAGIC, len(header), zlib.crc32(header))
     head_pad = (-(len(prefix) + len(header))) % ALIGN
     out: list[memoryview | bytes] = [prefix + header + bytes(head_pad)]
@@ -164,7 +168,7 @@ def decode(data: bytes | bytearray | memoryview | list, name: str = "<object>", 
     buf = memoryview(data).cast("B")
     header, data_start, data_len = _header(buf, buf.nbytes, name)
     data_sec = buf[data_start:data_start + data_len]
-    if verify and zlib.crc32(data_sec) != header.get("data_crc"):
+    if verify and _checksum.compute(_data_alg(header, name), data_sec) != header.get("data_crc"):
         raise _fail(name, "data checksum mismatch")
     entries = _table(header, data_len, name)
     arrays: dict[str, np.ndarray] = {}
@@ -203,6 +207,14 @@ def _header(buf: memoryview, total: int, name: str) -> tuple[dict, int, int]:
         raise _fail(name, f"truncated or oversized: data section should be {data_len} bytes, "
                           f"object has {total - data_start}")
     return header, data_start, data_len
+
+
+def _data_alg(header: dict, name: str) -> str:
+    """The algorithm of the header's data checksum (validated: a hostile header names no other)."""
+    try:
+        return _checksum.check_alg(header.get("data_crc_alg", _checksum.CRC32))
+    except ValueError as e:
+        raise _fail(name, str(e)) from None
 
 
 def _table(header: dict, data_len: int, name: str) -> dict[str, TensorEntry]:
@@ -246,9 +258,9 @@ def _decode_parts(parts: list[memoryview], name: str, verify: bool):
     if head.nbytes != data_start:
         return decode(b"".join(parts), name, verify=verify)
     if verify:
-        crc = 0
+        crc, alg = 0, _data_alg(header, name)
         for p in parts[1:]:
-            crc = zlib.crc32(p, crc)
+            crc = _checksum.compute(alg, p, crc)
         if crc != header.get("data_crc"):
             raise _fail(name, "data checksum mismatch")
     entries = _table(header, data_len, name)

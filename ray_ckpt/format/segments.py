@@ -3,7 +3,7 @@
 A diff object on storage is a sequence of *segments*, each a complete container (:mod:`ray_ckpt.format.container`)
 holding one or more step records. The training process encodes each record once, into one segment; the Ray
 runtime's persistence worker then builds a batch object by laying segments end to end — no decode, no
-re-encode — and computes the batch's checksum from the segments' checksums (:func:`crc32_combine`, no pass over
+re-encode — and computes the batch's checksum from the segments' checksums (:func:`combine_all`, no pass over
 the bytes). A one-segment object is an ordinary container, so objects written before segmentation read
 unchanged.
 
@@ -15,67 +15,19 @@ import json
 import struct
 import zlib
 
-from ray_ckpt.format import safejson
+from ray_ckpt.format import checksum, safejson
 from ray_ckpt.format.container import ALIGN, MAGIC, MAX_HEADER_BYTES, CorruptObjectError
 
 _PREFIX = struct.Struct("<8sQI")
 MAX_SEGMENTS = 1_000_000
 
-# -- CRC-32 of a concatenation, from the parts' CRCs ----------------------------------------------------------
-# zlib's CRC-32 is a polynomial remainder over GF(2) (reflected polynomial 0xEDB88320). Appending len2 bytes to a
-# message multiplies its CRC register by x^(8·len2) modulo the polynomial; the CRC of the appended part is then
-# XORed in. So crc(A‖B) = crc(A)·x^(8·len(B)) mod P  ⊕  crc(B). The power is built by square-and-multiply over
-# the bits of 8·len(B): O(log len) products of 32-bit polynomials, well under a millisecond in Python.
-_POLY = 0xEDB88320
-_TOP = 1 << 31  # the reflected representation of x^0
 
-
-def _mulmod(a: int, b: int) -> int:
-    """a·b modulo the CRC polynomial (reflected bit order)."""
-    m = _TOP
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return p
-
-
-# x^(2^k) mod P for k = 0..63 (reflected): successive squares of x (x itself is 1 << 30 in reflected order)
-_X2K = [1 << 30]
-for _ in range(63):
-    _X2K.append(_mulmod(_X2K[-1], _X2K[-1]))
-
-
-def _x8n(n: int) -> int:
-    """x^(8·n) mod P."""
-    p = _TOP  # 1
-    k = 3  # 8·n = n·2^3: start at the square for bit 3
-    while n:
-        if n & 1:
-            p = _mulmod(_X2K[k & 63], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``zlib.crc32(A + B)`` from ``crc1 = zlib.crc32(A)``, ``crc2 = zlib.crc32(B)`` and ``len2 = len(B)``."""
-    if len2 < 0:
-        raise ValueError("len2 must be >= 0")
-    if len2 == 0:
-        return crc1
-    return _mulmod(_x8n(len2), crc1) ^ crc2
-
-
-def combine_all(parts: list[tuple[int, int]]) -> tuple[int, int]:
-    """``(crc32, nbytes)`` of the concatenation of parts given as ``(crc32, nbytes)``."""
+def combine_all(parts: list[tuple[int, int]], alg: str = checksum.CRC32) -> tuple[int, int]:
+    """``(checksum, nbytes)`` of the concatenation of parts given as ``(checksum, nbytes)``, all of algorithm
+    ``alg`` (see :func:`ray_ckpt.format.checksum.combine`)."""
     crc, n = 0, 0
     for c, ln in parts:
-        crc = crc32_combine(crc, c, ln) if n else c
+        crc = checksum.combine(crc, c, ln, alg) if n else c
         n += ln
     return crc, n
 
@@ -139,17 +91,19 @@ def split_parts(parts: list, name: str = "<object>") -> list:
     return split(b"".join(views) if len(views) != 1 else views[0], name)
 
 
-def object_crc(bufs: list) -> tuple[int, int]:
-    """``(crc32, nbytes)`` of one container given as :func:`ray_ckpt.format.container.encode` returns it (the
-    first buffer is prefix + header + padding, the rest the data section), without a second pass over the
-    data: the header records the data section's checksum, computed once while encoding."""
+def object_crc(bufs: list) -> tuple[int, int, str]:
+    """``(checksum, nbytes, algorithm)`` of one container given as :func:`ray_ckpt.format.container.encode`
+    returns it (the first buffer is prefix + header + padding, the rest the data section), without a second pass
+    over the data: the header records the data section's checksum and its algorithm, computed once while
+    encoding; the object's checksum uses the same algorithm."""
     head = memoryview(bufs[0]).cast("B")
     magic, header_len, _ = _PREFIX.unpack_from(head, 0)
     if magic != MAGIC:
         raise ValueError("not a container's first buffer")
     header = json.loads(bytes(head[_PREFIX.size:_PREFIX.size + header_len]))
     data_len, data_crc = header["data_len"], header["data_crc"]
+    alg = checksum.check_alg(header.get("data_crc_alg", checksum.CRC32))
     n_data = sum(memoryview(b).nbytes for b in bufs[1:])
     if n_data != data_len:
         raise ValueError(f"data buffers hold {n_data} bytes, the header says {data_len}")
-    return crc32_combine(zlib.crc32(head), data_crc, data_len), head.nbytes + data_len
+    return checksum.combine(checksum.compute(alg, head), data_crc, data_len, alg), head.nbytes + data_len, alg

@@ -19,6 +19,11 @@ MAX_STEP = 10**12 - 1
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few hundred bytes; its info dict stays small
 
 
+#: the checksum algorithms a manifest may name (those of :mod:`ray_ckpt.format.checksum`; the lineage layer
+#: imports nothing outside itself)
+CRC_ALGORITHMS = ("crc32", "crc32c")
+
+
 class ManifestError(ValueError):
     """A manifest is malformed or hostile. Names the manifest."""
 
@@ -31,11 +36,14 @@ class Manifest:
     last_step: int            #: last step held
     object: str               #: storage key of the data object
     nbytes: int               #: exact size of the data object
-    crc32: int                #: zlib.crc32 of the whole data object
+    crc32: int                #: checksum of the whole data object, of algorithm ``crc_alg``
     strategy: str = "lowdiff" #: capture strategy that produced it
     created: float = field(default_factory=time.time)
     info: dict = field(default_factory=dict)  #: small free-form facts (world size, model bytes, ...)
     format: int = layout.FORMAT_VERSION
+    #: the algorithm of ``crc32`` (:mod:`ray_ckpt.format.checksum`): ``"crc32"`` (zlib; every manifest written
+    #: before CRC-32C has no such field) or ``"crc32c"``
+    crc_alg: str = "crc32"
 
     @property
     def name(self) -> str:
@@ -63,7 +71,7 @@ class Manifest:
         if not isinstance(d, dict):
             raise ManifestError(f"manifest {source!r} is not an object")
         allowed = {"kind", "generation", "first_step", "last_step", "object", "nbytes", "crc32", "strategy",
-                   "created", "info", "format"}
+                   "created", "info", "format", "crc_alg"}
         unknown = set(d) - allowed
         if unknown:
             raise ManifestError(f"manifest {source!r} has unknown fields {sorted(unknown)[:5]}")
@@ -85,7 +93,10 @@ class Manifest:
                 first_step=integer("first_step", 0, MAX_STEP), last_step=integer("last_step", 0, MAX_STEP),
                 object=d.get("object"), nbytes=integer("nbytes", 0, MAX_OBJECT_BYTES),
                 crc32=integer("crc32", 0, 2**32 - 1), strategy=d.get("strategy", "lowdiff"),
-                created=d.get("created", 0.0), info=d.get("info", {}), format=fmt)
+                created=d.get("created", 0.0), info=d.get("info", {}), format=fmt,
+                crc_alg=d.get("crc_alg", "crc32"))
+        if m.crc_alg not in CRC_ALGORITHMS:
+            raise ManifestError(f"manifest {source!r}: unknown checksum algorithm {m.crc_alg!r:.40}")
         if not isinstance(m.object, str) or not layout.OBJECT_KEY_RE.match(m.object):
             raise ManifestError(f"manifest {source!r}: object key {m.object!r:.80} is not a plain name under "
                                 f"{layout.OBJECTS_DIR!r}")

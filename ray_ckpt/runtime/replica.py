@@ -294,10 +294,10 @@ class ReplicaActor:
         """Encode and write the full of the current step (replica thread, state lock held)."""
         t0 = time.perf_counter()
         bufs = rec_fmt.encode_full(shadow.snapshot())
-        crc, n = segments.object_crc(bufs)
+        crc, n, alg = segments.object_crc(bufs)
         name = full_name(generation, shadow.step)
         m = Manifest(kind="full", generation=generation, first_step=shadow.step, last_step=shadow.step,
-                     object=object_key(name), nbytes=n, crc32=crc, strategy=shadow.strategy,
+                     object=object_key(name), nbytes=n, crc32=crc, crc_alg=alg, strategy=shadow.strategy,
                      info={"computed_on": "replica", "trainer_device": shadow.layout.get("device", "cpu")})
         self.storage.write(m.object, bufs)
         self.storage.write(m.key, m.to_json())

@@ -297,9 +297,9 @@ class RaySink(BoundedSink):
             kind, last = "diff", recs[-1].step
             first = info.pop("first_step", recs[0].step)
             name = diff_name(self.generation, first, last)
-        crc, n = segments.object_crc(bufs)
+        crc, n, alg = segments.object_crc(bufs)
         m = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
-                     object=object_key(name), nbytes=n, crc32=crc, strategy=self.impl.name,
+                     object=object_key(name), nbytes=n, crc32=crc, crc_alg=alg, strategy=self.impl.name,
                      info={**self.info, **info})
         arrays = _coalesce(bufs)
         c = _Chunk(m, arrays, sum(s for _, s in items), [r for r, _ in items])

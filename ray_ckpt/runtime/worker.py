@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
-from ray_ckpt.format import segments
+from ray_ckpt.format import checksum, segments
 from ray_ckpt.lineage import Manifest, diff_name, object_key
 from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.runtime import metrics as _metrics
@@ -531,12 +531,21 @@ class PersistenceWorker:
         if len(covers) == 1:
             self._commit(covers[0], bufs, [covers[0].name])
             return
-        crc, n = segments.combine_all(parts)
+        algs = {m.crc_alg for m in covers}
+        if len(algs) == 1:   # from the chunks' checksums, no pass over the bytes
+            alg = algs.pop()
+            crc, n = segments.combine_all(parts, alg)
+        else:                # chunks of senders of different versions (not combinable): one pass
+            alg, crc, n = checksum.DEFAULT, 0, 0
+            for b in bufs:
+                crc = checksum.compute(alg, b, crc)
+                n += memoryview(b).nbytes
         first, last = covers[0].first_step, covers[-1].last_step
         m0 = covers[0]
         name = diff_name(m0.generation, first, last)
         merged = Manifest(kind="diff", generation=m0.generation, first_step=first, last_step=last,
-                          object=object_key(name), nbytes=n, crc32=crc, strategy=m0.strategy, info=dict(m0.info))
+                          object=object_key(name), nbytes=n, crc32=crc, crc_alg=alg, strategy=m0.strategy,
+                          info=dict(m0.info))
         self._commit(merged, bufs, [m.name for m in covers])
 
     def _commit(self, m: Manifest, bufs: list, covers: list[str]) -> None:
