@@ -1,6 +1,7 @@
 """Pure layers: container, tree codec, manifests, chain resolution (no Ray, no storage)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pickle
@@ -268,9 +269,14 @@ def test_unknown_checksum_algorithms_are_refused():
     m = Manifest(kind="full", generation=1, first_step=0, last_step=0, object=object_key(full_name(1, 0)),
                  nbytes=1, crc32=0)
     d = json.loads(m.to_json())
+    assert "crc_alg" not in d and d["format"] == 1       # written as before CRC-32C: older versions read it
     assert Manifest.from_json(json.dumps(d).encode()).crc_alg == "crc32"
-    d.pop("crc_alg")                        # a manifest written before CRC-32C
-    assert Manifest.from_json(json.dumps(d).encode()).crc_alg == "crc32"
+    c = json.loads(dataclasses.replace(m, crc_alg="crc32c").to_json())
+    assert (c["crc_alg"], c["format"]) == ("crc32c", 2)
+    assert Manifest.from_json(json.dumps(c).encode()).crc_alg == "crc32c"
+    c["format"] = 3
+    with pytest.raises(ManifestError, match="upgrade ray_ckpt"):
+        Manifest.from_json(json.dumps(c).encode())
     d["crc_alg"] = "sha1"
     with pytest.raises(ManifestError, match="unknown checksum algorithm"):
         Manifest.from_json(json.dumps(d).encode())

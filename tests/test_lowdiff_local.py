@@ -300,10 +300,9 @@ def test_a_lineage_checksummed_with_crc32_restores_and_continues(tmp_path, monke
     monkeypatch.setattr(checksum, "DEFAULT", "crc32")
     uri, live = _run(tmp_path, "mlp", "adamw", steps=30, full_every=25, batch_steps=4)
     mdir = tmp_path / "ckpt" / "manifests"
-    for p in mdir.glob("*.json"):            # as an older ray_ckpt wrote them
+    for p in mdir.glob("*.json"):            # as a ray_ckpt before CRC-32C wrote them (and can read them)
         d = json.loads(p.read_text())
-        assert d.pop("crc_alg") == "crc32"
-        p.write_text(json.dumps(d))
+        assert "crc_alg" not in d and d["format"] == 1
     monkeypatch.setattr(checksum, "DEFAULT", "crc32c")
     for s in (0, 10, 27, 30):
         got, model, opt, sch = _restore(uri, "mlp", "adamw", s)
@@ -314,8 +313,8 @@ def test_a_lineage_checksummed_with_crc32_restores_and_continues(tmp_path, monke
         for s in range(30, 40):
             T.train_step("mlp", model, opt, sch, s)
         assert ck.step == 40
-    algs = {json.loads(p.read_text()).get("crc_alg", "crc32") for p in mdir.glob("*.json")}
-    assert algs == {"crc32", "crc32c"}
+    algs = {(d.get("crc_alg", "crc32"), d["format"]) for d in (json.loads(p.read_text()) for p in mdir.glob("*.json"))}
+    assert algs == {("crc32", 1), ("crc32c", 2)}   # a version before CRC-32C refuses format 2: "upgrade ray_ckpt"
     want = T.snapshot(model, opt, sch)
     got, model, opt, sch = _restore(uri, "mlp", "adamw", None)
     assert got == 40

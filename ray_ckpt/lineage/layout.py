@@ -15,7 +15,9 @@ OBJECTS_DIR = "objects/"
 MANIFESTS_DIR = "manifests/"
 OBJECT_SUFFIX = ".rckpt"
 MANIFEST_SUFFIX = ".json"
-FORMAT_VERSION = 1
+#: the newest manifest format this version reads and writes: 2 = objects checksummed with CRC-32C (``crc_alg``);
+#: a manifest of a CRC-32 object is still written as format 1, readable by versions before CRC-32C
+FORMAT_VERSION = 2
 
 _NAME_RE = re.compile(r"^g(\d{6})-(full-(\d{12})|diff-(\d{12})-(\d{12}))$")
 OBJECT_KEY_RE = re.compile(r"^objects/g\d{6}-(full-\d{12}|diff-\d{12}-\d{12})\.rckpt$")

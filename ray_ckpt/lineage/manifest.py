@@ -40,10 +40,16 @@ class Manifest:
     strategy: str = "lowdiff" #: capture strategy that produced it
     created: float = field(default_factory=time.time)
     info: dict = field(default_factory=dict)  #: small free-form facts (world size, model bytes, ...)
-    format: int = layout.FORMAT_VERSION
+    format: int = 1           #: raised to what the manifest needs (2 with ``crc_alg="crc32c"``)
     #: the algorithm of ``crc32`` (:mod:`ray_ckpt.format.checksum`): ``"crc32"`` (zlib; every manifest written
     #: before CRC-32C has no such field) or ``"crc32c"``
     crc_alg: str = "crc32"
+
+    def __post_init__(self):
+        # a version before CRC-32C refuses a format-2 manifest with "upgrade ray_ckpt" (instead of a checksum
+        # mismatch), and still reads a CRC-32 one
+        if self.crc_alg != "crc32" and self.format < 2:
+            object.__setattr__(self, "format", 2)
 
     @property
     def name(self) -> str:
@@ -56,7 +62,10 @@ class Manifest:
         return layout.manifest_key(self.name)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        d = asdict(self)
+        if d["crc_alg"] == "crc32":   # as versions before CRC-32C wrote it (they refuse unknown fields)
+            del d["crc_alg"]
+        return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, source: str = "<manifest>") -> "Manifest":
