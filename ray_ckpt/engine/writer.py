@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ray_ckpt.format import checksum
+from ray_ckpt.format import checksum, segments
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Lineage, Manifest, collectable, diff_name, full_name, gc_cutoff, object_key
@@ -262,12 +263,13 @@ class AsyncWriter(BoundedSink):
         self._commit("full", full_name(self.generation, state.step), state.step, state.step, bufs)
 
     def _commit(self, kind: str, name: str, first: int, last: int, bufs: list, info: dict | None = None) -> None:
-        crc = 0
-        nbytes = 0
-        alg = checksum.DEFAULT
-        for b in bufs:
-            crc = checksum.compute(alg, b, crc)
-            nbytes += memoryview(b).nbytes
+        try:   # one container (every LowDiff object): from the data checksum its encoder computed, no pass
+            crc, nbytes, alg = segments.object_crc(bufs)
+        except (ValueError, KeyError, TypeError, struct.error):   # other framing: one pass over the bytes
+            crc, nbytes, alg = 0, 0, checksum.DEFAULT
+            for b in bufs:
+                crc = checksum.compute(alg, b, crc)
+                nbytes += memoryview(b).nbytes
         okey = object_key(name)
         manifest = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
                             object=okey, nbytes=nbytes, crc32=crc, crc_alg=alg, strategy=self.impl.name,
