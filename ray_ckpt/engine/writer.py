@@ -266,10 +266,8 @@ class AsyncWriter(BoundedSink):
         try:   # one container (every LowDiff object): from the data checksum its encoder computed, no pass
             crc, nbytes, alg = segments.object_crc(bufs)
         except (ValueError, KeyError, TypeError, struct.error):   # other framing: one pass over the bytes
-            crc, nbytes, alg = 0, 0, checksum.DEFAULT
-            for b in bufs:
-                crc = checksum.compute(alg, b, crc)
-                nbytes += memoryview(b).nbytes
+            alg = checksum.DEFAULT
+            crc, nbytes = checksum.of_buffers(alg, bufs)
         okey = object_key(name)
         manifest = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
                             object=okey, nbytes=nbytes, crc32=crc, crc_alg=alg, strategy=self.impl.name,

@@ -48,6 +48,15 @@ def compute(alg: str, data, value: int = 0) -> int:
     raise ValueError(f"unknown checksum algorithm {alg!r:.40} (known: {', '.join(ALGORITHMS)})")
 
 
+def of_buffers(alg: str, bufs) -> tuple[int, int]:
+    """``(checksum, nbytes)`` of the concatenation of ``bufs`` (one pass over the bytes)."""
+    crc, n = 0, 0
+    for b in bufs:
+        crc = compute(alg, b, crc)
+        n += memoryview(b).nbytes
+    return crc, n
+
+
 def check_alg(alg) -> str:
     """``alg`` when it names a known algorithm, else ValueError (for values read from headers and manifests)."""
     if alg not in ALGORITHMS:

@@ -536,10 +536,8 @@ class PersistenceWorker:
             alg = algs.pop()
             crc, n = segments.combine_all(parts, alg)
         else:                # chunks of senders of different versions (not combinable): one pass
-            alg, crc, n = checksum.DEFAULT, 0, 0
-            for b in bufs:
-                crc = checksum.compute(alg, b, crc)
-                n += memoryview(b).nbytes
+            alg = checksum.DEFAULT
+            crc, n = checksum.of_buffers(alg, bufs)
         first, last = covers[0].first_step, covers[-1].last_step
         m0 = covers[0]
         name = diff_name(m0.generation, first, last)
