@@ -334,8 +334,10 @@ class RaySink(BoundedSink):
             self._complete(*self._inflight.popleft())
 
     def _send_sync(self, c: _Chunk) -> None:
-        reply = self._call(lambda w: w.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps),
-                           f"hand-off of {c.manifest.name}")
+        self._answered(self._call(lambda w: w.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps),
+                                  f"hand-off of {c.manifest.name}"))
+
+    def _answered(self, reply: dict) -> None:
         self._poll_t = time.monotonic()   # the answer says what became safe: no poll while hand-offs are frequent
         self._on_reply(reply)
 
@@ -351,8 +353,7 @@ class RaySink(BoundedSink):
                         c.manifest.name, e)
             self._send_sync(c)
             return
-        self._poll_t = time.monotonic()
-        self._on_reply(reply)
+        self._answered(reply)
 
     def _drain_inflight(self) -> None:
         while self._inflight:

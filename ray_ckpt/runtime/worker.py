@@ -535,7 +535,8 @@ class PersistenceWorker:
         if len(algs) == 1:   # from the chunks' checksums, no pass over the bytes
             alg = algs.pop()
             crc, n = segments.combine_all(parts, alg)
-        else:                # chunks of senders of different versions (not combinable): one pass
+        else:   # one generation has one sender, so its chunks share an algorithm; should they ever not, the
+                # checksums do not combine: one pass over the bytes rather than a wrong checksum
             alg = checksum.DEFAULT
             crc, n = checksum.of_buffers(alg, bufs)
         first, last = covers[0].first_step, covers[-1].last_step
