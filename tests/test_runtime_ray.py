@@ -369,3 +369,38 @@ def test_amber_through_the_ray_runtime(run_env):
         assert stale > 0   # not vacuous: some elements restore their last saved (older) value
     finally:
         shutdown_run(lossy_run)
+
+
+def test_chunks_of_two_checksum_algorithms_merge_into_one_verified_object(run_env, monkeypatch):
+    """The worker lays consecutive chunks end to end into one object and combines their checksums. Chunks of one
+    run checksummed with different algorithms (a process without the hardware CRC-32C falls back to CRC-32) do
+    not combine: the merged object is checksummed in one pass, and every step in it restores verified and exact."""
+    import json
+    import pathlib
+
+    from ray_ckpt.format import checksum
+    run, uri = run_env
+    node = ray.get_runtime_context().get_node_id()
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    ck = ray_ckpt.Checkpointer(uri, model, opt, runtime="ray", run=run, full_every=100, batch_steps=4,
+                               handoff_delay=0.02, replica=False)
+    live = {}
+    for s in range(4):
+        monkeypatch.setattr(checksum, "DEFAULT", "crc32c" if s < 2 else "crc32")   # read when a chunk is encoded
+        time.sleep(0.05)   # slower than handoff_delay: each step is handed over alone, as one chunk
+        T.train_step("mlp", model, opt, None, s)
+        live[s + 1] = T.snapshot(model, opt)
+        t0 = time.monotonic()   # this step's chunk is encoded and received before the algorithm changes
+        while ray.get(_worker(run, node).stats.remote())["received"] < s + 2 and time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+    ck.close()
+    diffs = [json.loads(p.read_text()) for p in (pathlib.Path(uri) / "manifests").glob("*.json")]
+    diffs = [d for d in diffs if d["kind"] == "diff"]
+    # one object of the four one-step chunks (written within the worker's durable_delay of 2 s)
+    assert [(d["first_step"], d["last_step"]) for d in diffs] == [(1, 4)], diffs
+    assert diffs[0].get("crc_alg", "crc32") in checksum.ALGORITHMS
+    for s in (1, 2, 3, 4):
+        m, o = _fresh()[:2]
+        assert ray_ckpt.restore(uri, m, o, step=s) == s
+        T.assert_same(live[s], T.snapshot(m, o), f"step {s} of the merged object")
