@@ -495,6 +495,13 @@ def plot(result: dict, path: str, all_configs) -> None:
     labels = {c.name: c.label for c in all_configs}
     ours = ("lowdiff", "amber")
     jobs = list(result["jobs"])
+    if not jobs:   # every segment failed: say so in the figure rather than fail to draw one (the errors are in
+        fig = plt.figure(figsize=(8, 2))   # the JSON and the markdown)
+        fig.text(0.5, 0.5, f"no segment completed ({len(result.get('errors') or [])} errors: see bench_*.md)",
+                 ha="center", va="center")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     fig, axes = plt.subplots(len(jobs), 2, figsize=(16, 1.8 + 4.6 * len(jobs)), squeeze=False)
     for row, job in enumerate(jobs):
         c = result["jobs"][job]["configs"]

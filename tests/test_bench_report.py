@@ -72,3 +72,16 @@ def test_stratified_overhead_keeps_the_rare_full_blocks_in_the_figure():
     est, _ = report.stratified_overhead_ci(common, [False] * len(common))
     assert est == pytest.approx(0.2)
     assert report.stratified_overhead_ci([1.0, 2.0, 50.0], [False, False, True]) is None
+
+
+def test_a_run_where_every_segment_failed_still_writes_its_report(tmp_path):
+    """The errors are the result then: the JSON, the markdown (with them) and a figure that says so are written."""
+    from benchmarks import configs, run
+    args = run.resolve(run.build_parser().parse_args(["--mode", "fast", "--configs", "none", "--out", str(tmp_path)]))
+    err = {"job": "mlp-fmnist", "config": "none", "round": 0, "errors": [{"rank": 0, "error": "NameError: boom"}]}
+    raw = {"segments": [], "failures": [], "errors": [err], "wall_s": 1.0}
+    result = report.build(raw, run.settings(args), configs.CONFIGS)
+    paths = report.write_all(result, str(tmp_path), "fast")
+    assert [p.rsplit(".", 1)[1] for p in paths] == ["json", "md", "png"]
+    assert all((tmp_path / p.rsplit("/", 1)[1]).stat().st_size > 0 for p in paths)
+    assert "NameError: boom" in (tmp_path / "bench_fast.md").read_text()
