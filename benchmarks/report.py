@@ -175,6 +175,12 @@ def summarize_config(segs: list[dict], cfg=None, settings: dict | None = None) -
         if lags:
             out["uncommitted_lag_median"] = _median(lags)
             out["uncommitted_lag_max"] = max(lags)
+    gcs = [(r["gc_s"], r.get("gc_longest_s", 0.0), r.get("gc_collections", [0, 0, 0]), len(r["step_s"]))
+           for r in r0 if r.get("gc_s") is not None and r["step_s"]]
+    if gcs:   # rank 0's interpreter garbage collector over the measured steps
+        out["gc_ms_per_step"] = _median([g / n * 1e3 for g, _, _, n in gcs])
+        out["gc_longest_ms"] = max(x for _, x, _, _ in gcs) * 1e3
+        out["gc_collections_per_1000_steps"] = [_median([c[i] / n * 1000 for _, _, c, n in gcs]) for i in range(3)]
     lags = [x for r in r0 for x in r.get("replica_lag", [])]
     if lags:
         lags.sort()
@@ -446,6 +452,13 @@ def markdown(result: dict, all_configs) -> str:
                              f"controller, at each step end: median {s['uncommitted_lag_median']}, max "
                              f"{s['uncommitted_lag_max']} (a crash loses at least this many; committed only at the "
                              f"next poll); fit() {_fmt(s.get('fit_s'))} s incl. worker start-up")
+        gc_rows = [(name, s) for name, s in c.items() if s.get("gc_ms_per_step") is not None]
+        if gc_rows:
+            extra.append("- Python garbage collector in rank 0 over the measured steps (per step; collections of "
+                         "generations 0/1/2 per 1000 steps; longest pause): "
+                         + "; ".join(f"{labels.get(n, n)} {s['gc_ms_per_step']:.3f} ms "
+                                     f"({'/'.join(f'{x:.0f}' for x in s['gc_collections_per_1000_steps'])}; "
+                                     f"{s['gc_longest_ms']:.1f} ms)" for n, s in gc_rows))
         est = j.get("lowdiff_full_cost_estimate")
         if est:
             at = est["overhead_pct_at"]

@@ -16,6 +16,7 @@ Savers (what a configuration does after each step) live here too; every one impl
 from __future__ import annotations
 
 import copy
+import gc
 import glob
 import json
 import os
@@ -159,6 +160,36 @@ class Saver:
     @classmethod
     def recover_latest(cls, ctx: Ctx) -> int:
         raise NotImplementedError
+
+
+class GCMeter:
+    """Time the interpreter's garbage collector spends in this process while :attr:`on`: total, longest pause and
+    collections per generation. A collection runs on whichever thread allocated last (holding the interpreter lock):
+    the objects a checkpointer keeps alive per step make collections more frequent, and a full (generation 2)
+    collection walks every tracked object of the process (400K in the MLP job: the model, torch, Ray)."""
+
+    def __init__(self):
+        self.on = False
+        self.seconds = 0.0
+        self.longest = 0.0
+        self.counts = [0, 0, 0]
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        dt = time.perf_counter() - self._t0
+        self.seconds += dt
+        self.longest = max(self.longest, dt)
+        self.counts[info["generation"]] += 1
+
+    def result(self) -> dict:
+        gc.callbacks.remove(self._callback)
+        return {"gc_s": self.seconds, "gc_longest_s": self.longest, "gc_collections": list(self.counts)}
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -624,10 +655,12 @@ def _segment(rank: int, seg: dict, out: dict) -> None:
     phase["setup"] = time.perf_counter() - t_fork
     fail_at = seg.get("fail_at")
     times, thread_cpu = [], []
+    gcm = GCMeter()
     dist.barrier()
     for step in range(ctx.total_steps):
         if step == seg["warmup"]:  # start of the measured window: CPU of this process and of helper actors
             cpu0, aux0, roles0 = time.process_time(), saver.aux_cpu_seconds(), saver.aux_cpu_roles()
+            gcm.on = True
         t0, c0 = time.perf_counter(), time.thread_time()
         train_step(ctx, step)
         saver.after_step(step + 1)
@@ -640,6 +673,8 @@ def _segment(rank: int, seg: dict, out: dict) -> None:
                 f.flush()
                 os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)  # a crash right after step `fail_at`: nothing is flushed
+    gcm.on = False
+    out.update(gcm.result())
     t0 = time.perf_counter()
     info = saver.finish()
     out["drain_s"] = time.perf_counter() - t0
