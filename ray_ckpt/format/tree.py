@@ -19,6 +19,10 @@ import torch
 
 _TAG = "__rc"  # every non-list container is a dict with this key: {"__rc": kind, ...}
 _NUMPY_KINDS = set("biufc?")
+#: values stored as themselves, tested by exact type first (most of a loop state's nodes: hyperparameters, step
+#: counters); subclasses (numpy scalars are float/int subclasses, bool is an int) take the checked path
+_PLAIN = frozenset((str, int, bool, type(None)))
+_PLAIN_JSON = frozenset((str, int, bool, float, type(None)))   # decoding: JSON floats are plain (no NaN tag)
 
 
 class TreeError(TypeError):
@@ -41,6 +45,9 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any
         return name
 
     def enc(x: Any, path: str) -> Any:
+        t = type(x)
+        if t in _PLAIN or (t is float and math.isfinite(x)):
+            return x
         if isinstance(x, np.generic):  # before the scalars: np.float64 is a float subclass
             if x.dtype.kind not in _NUMPY_KINDS:
                 raise TreeError(f"{path}: numpy scalar of dtype {x.dtype} cannot be stored")
@@ -75,7 +82,9 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any
             for k, v in x.items():
                 if not (k is None or isinstance(k, (bool, int, float, str))):
                     raise TreeError(f"{path}: dict key of type {type(k).__name__} cannot be stored")
-                items.append([enc(k, path), enc(v, f"{path}.{k}")])
+                tv = type(v)   # a plain value needs neither a call nor its path (used only in errors)
+                items.append([k if type(k) is str else enc(k, path),
+                              v if tv in _PLAIN or (tv is float and math.isfinite(v)) else enc(v, f"{path}.{k}")])
             return {_TAG: "d", "v": items}
         if isinstance(x, torch.dtype):
             return {_TAG: "dt", "v": str(x).removeprefix("torch.")}
@@ -89,6 +98,8 @@ def decode_tree(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """Inverse of :func:`encode_tree`. Tensors referenced by name are taken from ``tensors`` (not copied)."""
 
     def dec(x: Any) -> Any:
+        if type(x) in _PLAIN_JSON:   # what json.loads builds for scalars: exactly these types
+            return x
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if isinstance(x, list):
@@ -125,10 +136,12 @@ def decode_tree(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
             for pair in _list(x.get("v")):
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise TreeError("malformed dict entry")
-                k = dec(pair[0])
-                if not (k is None or isinstance(k, (bool, int, float, str))):
-                    raise TreeError("malformed dict key")
-                out[k] = dec(pair[1])
+                k, v = pair
+                if type(k) is not str:
+                    k = dec(k)
+                    if not (k is None or isinstance(k, (bool, int, float, str))):
+                        raise TreeError("malformed dict key")
+                out[k] = v if type(v) in _PLAIN_JSON else dec(v)
             return out
         if kind == "dt":
             v = x.get("v")
