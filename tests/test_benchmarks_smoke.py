@@ -39,6 +39,8 @@ def test_benchmark_smoke(tmp_path):
         if configs.get(name).saver not in ("none",):
             assert s["bytes_per_step"] > 0, name
             assert s["fraction_of_full"] > 0, name
+        if configs.get(name).launcher == "mp":   # rank 0's garbage collector over the measured steps
+            assert s["gc_ms_per_step"] >= 0 and len(s["gc_collections_per_1000_steps"]) == 3, name
     # every checkpointing configuration took part in the crash-and-restore trial and restored a step <= reached
     for name in expected:
         c = configs.get(name)
@@ -48,4 +50,4 @@ def test_benchmark_smoke(tmp_path):
     lowdiff = got["lowdiff_topk_ray"]["recovery"]
     assert {"memory_latest", "durable_latest"} <= set(lowdiff)
     md = (out / "bench_smoke.md").read_text()
-    assert "LowDiff top-k (ray)" in md and "torch" in md
+    assert "LowDiff top-k (ray)" in md and "torch" in md and "Python garbage collector" in md
