@@ -280,3 +280,17 @@ def test_unknown_checksum_algorithms_are_refused():
     d["crc_alg"] = "sha1"
     with pytest.raises(ManifestError, match="unknown checksum algorithm"):
         Manifest.from_json(json.dumps(d).encode())
+
+
+def test_encoded_buffers_are_not_tracked_by_the_garbage_collector():
+    """A batch waiting for its write must not add collectable objects per tensor: each one makes the collector run
+    sooner in the training process, and a full collection walks every object there (README, fourth pass)."""
+    import gc
+    tensors = {f"s{i}/g{j}/v": torch.randn(5 + j) for i in range(3) for j in range(4)}
+    tensors["idx"] = torch.arange(7, dtype=torch.int32)
+    bufs = container.encode({"kind": "diff", "steps": [1, 2, 3]}, tensors)
+    assert len(bufs) > len(tensors)                       # header, then every tensor and its padding
+    assert not [type(b).__name__ for b in bufs if gc.is_tracked(b)]
+    meta, arrays, _ = container.decode(bufs, "x")
+    assert meta["steps"] == [1, 2, 3]
+    assert all(np.array_equal(arrays[k], tensors[k].numpy()) for k in tensors)

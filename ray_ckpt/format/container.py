@@ -55,6 +55,8 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "bool": (torch.bool, np.dtype("?")),
 }
 _TORCH_TO_NAME = {t: n for n, (t, _) in _DTYPES.items()}
+_ZEROS = np.zeros(ALIGN, dtype=np.uint8)   # padding between tensors (read-only: shared by every encode)
+_ZEROS.flags.writeable = False
 
 
 class CorruptObjectError(ValueError):
@@ -100,16 +102,19 @@ class TensorEntry:
 
 
 def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray], *,
-           checksum: bool = True) -> list[memoryview | bytes]:
+           checksum: bool = True) -> list[bytes | np.ndarray]:
     """Encode ``meta`` (JSON-able) and named CPU tensors into the container's buffers, in write order.
 
     ``checksum=False`` skips the data checksum (the header says ``null``): only for in-memory hand-offs that
     are decoded with ``verify=False`` at once, never for stored objects (a verified read rejects them).
 
-    Returns a list of buffers (header first, then each tensor's bytes and padding) so the storage layer can
-    write them without joining them into one copy. Runs off the training thread (writer thread or actor).
+    Returns a list of buffers (header first, as ``bytes``, then each tensor's bytes and padding as flat ``uint8``
+    numpy arrays: views, no copy) so the storage layer can write them without joining them into one copy.
+    Neither kind is tracked by Python's garbage collector, nor are the header's pieces (built as text): a batch
+    being encoded and written keeps few collectable objects alive, which keeps collections in the training process
+    rare (see the README, "Fast steps, fourth pass"). Runs off the training thread (writer thread or actor).
     """
-    entries = []
+    entries: list[str] = []
     payloads: list[np.ndarray] = []
     offset = 0
     crc = 0
@@ -118,26 +123,27 @@ def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray], *,
         if isinstance(t, np.ndarray):
             t = torch.from_numpy(np.ascontiguousarray(t))
         raw = as_numpy_bytes(t)
-        entries.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                        "offset": offset, "nbytes": int(raw.nbytes)})
-        pad = (-raw.nbytes) % ALIGN
+        n = raw.nbytes
+        entries.append('{"name":%s,"dtype":"%s","shape":[%s],"offset":%d,"nbytes":%d}'
+                       % (json.dumps(name), dtype_name(t.dtype), ",".join(map(str, t.shape)), offset, n))
         payloads.append(raw)
         if checksum:
             crc = _checksum.compute(alg, raw, crc)
+        pad = (-n) % ALIGN
         if pad:
-            zeros = bytes(pad)
-            payloads.append(np.frombuffer(zeros, dtype=np.uint8))
+            zeros = _ZEROS[:pad]
+            payloads.append(zeros)
             if checksum:
                 crc = _checksum.compute(alg, zeros, crc)
-        offset += raw.nbytes + pad
-    head = {"meta": meta, "tensors": entries, "data_len": offset, "data_crc": crc if checksum else None}
-    if checksum and alg != _checksum.CRC32:
-        head["data_crc_alg"] = alg
-    header = json.dumps(head, separators=(",", ":"), allow_nan=True).encode()
+        offset += n + pad
+    tail = (f',"data_crc":{crc}' + (f',"data_crc_alg":{json.dumps(alg)}' if alg != _checksum.CRC32 else "")
+            if checksum else ',"data_crc":null')
+    header = ('{"meta":%s,"tensors":[%s],"data_len":%d%s}'
+              % (json.dumps(meta, separators=(",", ":"), allow_nan=True), ",".join(entries), offset, tail)).encode()
     prefix = _PREFIX.pack(MAGIC, len(header), zlib.crc32(header))
     head_pad = (-(len(prefix) + len(header))) % ALIGN
-    out: list[memoryview | bytes] = [prefix + header + bytes(head_pad)]
-    out.extend(memoryview(p) for p in payloads)
+    out: list[bytes | np.ndarray] = [prefix + header + bytes(head_pad)]
+    out.extend(payloads)
     return out
 
 
