@@ -170,7 +170,8 @@ def encode_steps(records: list[StepRecord], *, max_density: float = 0.5, extra_m
                 grads_meta.append(None)
                 continue
             g = g.sparsified(max_density) if max_density > 0 else g
-            tensors[f"{p}/g{i}/v"] = g.values.reshape(-1)
+            vals = g.values
+            tensors[f"{p}/g{i}/v"] = vals if vals.dim() == 1 else vals.reshape(-1)   # no new view when flat
             if g.indices is not None:
                 idx = g.indices
                 if idx.dtype == torch.int64 and math.prod(g.shape) < 2**31:
