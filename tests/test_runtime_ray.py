@@ -372,9 +372,10 @@ def test_amber_through_the_ray_runtime(run_env):
 
 
 def test_chunks_of_two_checksum_algorithms_merge_into_one_verified_object(run_env, monkeypatch):
-    """The worker lays consecutive chunks end to end into one object and combines their checksums. Chunks of one
-    run checksummed with different algorithms (a process without the hardware CRC-32C falls back to CRC-32) do
-    not combine: the merged object is checksummed in one pass, and every step in it restores verified and exact."""
+    """The worker lays consecutive chunks end to end into one object and combines their checksums. One sender
+    process uses one algorithm, but the worker does not rely on it: chunks of two algorithms (CRC-32C, and CRC-32
+    as a process without the hardware CRC-32C writes) do not combine, so the merged object is checksummed in one
+    pass, and every step in it restores verified and exact."""
     import json
     import pathlib
 
