@@ -109,6 +109,28 @@ def test_extra_state_rng_and_scheduler_restored(tmp_path):
     assert torch.equal(torch.rand(3), t) and random.random() == r and np.random.rand() == n
 
 
+def test_python_rng_restored_when_the_loop_draws_from_it_only_now_and_then(tmp_path):
+    """The capture reuses the converted Python RNG words while they do not change: a restore at a step
+    right after a draw, and at steps between draws, must each give the generator as it was at that step."""
+    import random
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    random.seed(1234)
+    seen = {}
+    with ray_ckpt.Checkpointer(tmp_path, model, opt, full_every=100, batch_steps=4):
+        for s in range(12):
+            if s in (4, 8, 9):
+                random.random()           # the loop draws at these steps only
+            T.train_step("mlp", model, opt, None, s)
+            seen[s + 1] = random.getstate()
+    for step in (3, 4, 5, 6, 9, 10, 11, 12):
+        random.seed(99)                   # anything else: the restore must install the step's own state
+        m2 = T.make_model("mlp", seed=3)
+        o2 = T.make_optimizer("adamw", m2)
+        assert ray_ckpt.restore(tmp_path, m2, o2, step=step) == step
+        assert random.getstate() == seen[step], step
+
+
 def test_sizes_and_stats(tmp_path):
     uri, _ = _run(tmp_path, "mlp", steps=10, full_every=5, batch_steps=5)
     files = sorted(p.name for p in (tmp_path / "ckpt" / "manifests").iterdir())
