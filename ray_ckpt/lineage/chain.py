@@ -85,108 +85,123 @@ class Lineage:
         supersede it from the step they branched from."""
         return self._cap(gen)
 
-    def _chains(self, gen: int, target: int | None) -> dict[int, list[Manifest]]:
-        """For every full of ``gen``: the greedy chain of diffs after it, as far as contiguous.
+    def _chain_from(self, gen: int, full: int, target: int | None) -> list[Manifest]:
+        """The greedy chain of diffs after the full at step ``full`` of ``gen``, as far as contiguous (and, with
+        ``target``, not past it): at each next step, the diff covering it that reaches furthest.
 
-        A diff object whose manifest says ``info.atomic`` (e.g. a merged Amber increment) cannot be cut
-        inside its range: it is only used when ``target`` is None or ``>=`` its last step.
-        """
-        ms = self._gens.get(gen, [])
-        diffs = [m for m in ms if m.kind == "diff"
+        A diff object whose manifest says ``info.atomic`` (e.g. a merged Amber increment) cannot be cut inside
+        its range: it is only used when ``target`` is None or ``>=`` its last step. One pass over the diffs in
+        (first, last) order: the running maximum of last_step over the diffs starting at or before ``nxt`` is
+        the diff covering ``nxt`` that reaches furthest (the first such in that order on a tie), if any covers
+        it — O(diffs), not O(diffs) per chain link."""
+        diffs = [m for m in self._gens.get(gen, []) if m.kind == "diff"
                  and (target is None or not m.info.get("atomic") or m.last_step <= target)]
-        out = {}
-        for full in (m for m in ms if m.kind == "full"):
-            # one pass over the diffs in (first, last) order: the running maximum of last_step over the diffs
-            # starting at or before `nxt` is the diff covering `nxt` that reaches furthest (the first such in
-            # that order on a tie), if any covers it — O(diffs) per full, not O(diffs) per chain link
-            chain: list[Manifest] = []
-            nxt = full.last_step + 1
-            best, i = None, 0
-            while True:
-                while i < len(diffs) and diffs[i].first_step <= nxt:
-                    if best is None or diffs[i].last_step > best.last_step:
-                        best = diffs[i]
-                    i += 1
-                if best is None or best.last_step < nxt or (target is not None and nxt > target):
-                    break
-                chain.append(best)
-                nxt = best.last_step + 1
-            out[full.last_step] = chain
-        return out
+        chain: list[Manifest] = []
+        nxt = full + 1
+        best, i = None, 0
+        while True:
+            while i < len(diffs) and diffs[i].first_step <= nxt:
+                if best is None or diffs[i].last_step > best.last_step:
+                    best = diffs[i]
+                i += 1
+            if best is None or best.last_step < nxt or (target is not None and nxt > target):
+                break
+            chain.append(best)
+            nxt = best.last_step + 1
+        return chain
 
-    def reachable_steps(self, gen: int) -> list[int]:
-        """Every step of ``gen`` that some full + contiguous diffs reproduce (capped by newer generations).
+    def _chains(self, gen: int, target: int | None) -> dict[int, list[Manifest]]:
+        """For every full of ``gen``: :meth:`_chain_from` (O(fulls x diffs): for checks, not for plans)."""
+        return {m.last_step: self._chain_from(gen, m.last_step, target)
+                for m in self._gens.get(gen, []) if m.kind == "full"}
+
+    def reachable_ranges(self, gen: int) -> list[tuple[int, int]]:
+        """Every step of ``gen`` that some full + contiguous diffs reproduce (capped by newer generations), as
+        sorted, disjoint, non-adjacent ranges ``(first, last)``.
 
         From a full at ``f`` the *positions* (next step to replay) start at ``f + 1``; a diff covering a position
         ``p`` reaches steps ``p .. last`` and every position up to ``last + 1`` where some diff starts or ends; an
-        ``info.atomic`` diff covering ``p`` reaches only its ``last`` step and position ``last + 1``. Positions are
-        visited in increasing order (every move goes forward), so each diff is looked at once per full:
-        O(diffs + steps) per full (the coordinator asks several times a second, over runs of 10⁵ steps); computed
-        once per generation of this view (``head``, ``resolve`` and the coordinator's figures share it)."""
+        ``info.atomic`` diff covering ``p`` reaches only its ``last`` step and position ``last + 1``. What a
+        position reaches does not depend on the full it was reached from, so one sweep starts from every full at
+        once; positions are visited in increasing order (every move goes forward), so each diff is looked at
+        once: O(diffs log diffs) per generation, whatever the number of fulls and steps (the coordinator asks
+        several times a second, over runs of 10⁵-10⁶ steps with a full every few hundred). Computed once per
+        generation of this view (``head``, ``resolve`` and the coordinator's figures share it)."""
         if gen not in self._reach:
             self._reach[gen] = self._reachable(gen)
         return list(self._reach[gen])
 
-    def _reachable(self, gen: int) -> list[int]:
+    def reachable_steps(self, gen: int) -> list[int]:
+        """:meth:`reachable_ranges` as a list of every step (O(steps): for tools, not for periodic calls)."""
+        return [s for lo, hi in self.reachable_ranges(gen) for s in range(lo, hi + 1)]
+
+    def reaches(self, gen: int, step: int) -> bool:
+        """Whether ``step`` of ``gen`` is reachable (a binary search in :meth:`reachable_ranges`)."""
+        ranges = self.reachable_ranges(gen)
+        i = bisect.bisect_right(ranges, (step, float("inf"))) - 1
+        return i >= 0 and ranges[i][0] <= step <= ranges[i][1]
+
+    def _reachable(self, gen: int) -> list[tuple[int, int]]:
         cap = self._cap(gen)
         ms = self._gens.get(gen, [])
         diffs = [m for m in ms if m.kind == "diff"]          # sorted by (first_step, last_step)
         plain = [d for d in diffs if not d.info.get("atomic")]
         atomic = [d for d in diffs if d.info.get("atomic")]
         interest = sorted({d.first_step for d in diffs} | {d.last_step + 1 for d in diffs})
-        steps: set[int] = set()
-        for full in (m for m in ms if m.kind == "full"):
-            f = full.last_step
-            steps.add(f)
-            todo, seen = [f + 1], {f + 1}
-            hi = f + 1              # every position up to here that is an interest point is reachable
-            done_to = f + 1         # steps below this are in `steps` already (from this full)
-            i = j = 0
-            k = bisect.bisect_right(interest, f + 1)
-            while todo:
-                p = heapq.heappop(todo)
-                while i < len(plain) and plain[i].first_step <= p:
-                    d = plain[i]
-                    i += 1
-                    if d.last_step >= p:     # covers p (else it ended before every later position too)
-                        steps.update(range(max(p, done_to), d.last_step + 1))
-                        done_to = max(done_to, d.last_step + 1)
-                        hi = max(hi, d.last_step + 1)
-                while j < len(atomic) and atomic[j].first_step <= p:
-                    d = atomic[j]
-                    j += 1
-                    if d.last_step >= p:
-                        steps.add(d.last_step)
-                        if d.last_step + 1 not in seen:
-                            seen.add(d.last_step + 1)
-                            heapq.heappush(todo, d.last_step + 1)
-                while k < len(interest) and interest[k] <= hi:
-                    q = interest[k]
-                    k += 1
-                    if q > p and q not in seen:
-                        seen.add(q)
-                        heapq.heappush(todo, q)
-        return sorted(s for s in steps if cap is None or s <= cap)
+        fulls = sorted({m.last_step for m in ms if m.kind == "full"})
+        spans: list[tuple[int, int]] = [(f, f) for f in fulls]
+        todo = sorted({f + 1 for f in fulls})                 # a sorted list is a heap
+        seen = set(todo)
+        hi = None      # every interest point above the current position and up to here is reachable
+        done_to = None  # steps from the current position up to below this are in `spans` already
+        i = j = k = 0
+        while todo:
+            p = heapq.heappop(todo)
+            while i < len(plain) and plain[i].first_step <= p:
+                d = plain[i]
+                i += 1
+                if d.last_step >= p:     # covers p (else it ended before every later position too)
+                    lo = p if done_to is None else max(p, done_to)
+                    if lo <= d.last_step:
+                        spans.append((lo, d.last_step))
+                    done_to = d.last_step + 1 if done_to is None else max(done_to, d.last_step + 1)
+                    hi = d.last_step + 1 if hi is None else max(hi, d.last_step + 1)
+            while j < len(atomic) and atomic[j].first_step <= p:
+                d = atomic[j]
+                j += 1
+                if d.last_step >= p:
+                    spans.append((d.last_step, d.last_step))
+                    if d.last_step + 1 not in seen:
+                        seen.add(d.last_step + 1)
+                        heapq.heappush(todo, d.last_step + 1)
+            while k < len(interest) and hi is not None and interest[k] <= hi:
+                q = interest[k]
+                k += 1
+                if q > p and q not in seen:
+                    seen.add(q)
+                    heapq.heappush(todo, q)
+        return _merge(spans, cap)
 
     def uncovered_steps(self, gen: int) -> list[int]:
         """Steps of ``gen`` between its first full and the last step any of its objects holds that no object
-        holds: steps lost for good (a *gap*: held nowhere and never written)."""
+        holds: steps lost for good (a *gap*: held nowhere and never written). O(objects log objects)."""
         ms = self._gens.get(gen, [])
         start = self.start_of(gen)
         if start is None:
             return []
-        covered = set()
-        for m in ms:
-            covered.update(range(m.first_step, m.last_step + 1))
-        top = max(covered)
-        return [s for s in range(start, top) if s not in covered]
+        covered = _merge([(m.first_step, m.last_step) for m in ms], None)
+        top = covered[-1][1]
+        out: list[int] = []     # the full at `start` is covered: only holes between ranges, from there on
+        for (_, prev_hi), (lo, _) in zip(covered, covered[1:]):
+            out.extend(range(max(prev_hi + 1, start), min(lo, top)))
+        return out
 
     def head(self) -> int | None:
         """The latest recoverable step on the current timeline, or None."""
         for gen in sorted(self._gens, reverse=True):
-            steps = self.reachable_steps(gen)
-            if steps:
-                return steps[-1]
+            ranges = self.reachable_ranges(gen)
+            if ranges:
+                return ranges[-1][1]
         return None
 
     def resolve(self, step: int | None = None) -> Plan:
@@ -196,15 +211,15 @@ class Lineage:
         gens = sorted(self._gens, reverse=True)
         if step is None:
             for gen in gens:
-                steps = self.reachable_steps(gen)
-                if steps:
-                    return self._plan(gen, steps[-1])
+                ranges = self.reachable_ranges(gen)
+                if ranges:
+                    return self._plan(gen, ranges[-1][1])
             raise NoCheckpointError("no committed full checkpoint exists (no step is recoverable)")
         for gen in gens:
             start = self.start_of(gen)
             if start is None or start > step:
                 continue
-            if step in self.reachable_steps(gen):
+            if self.reaches(gen, step):
                 return self._plan(gen, step)
             break  # the newest generation that started at or before `step` does not hold it
         head = self.head()
@@ -216,23 +231,56 @@ class Lineage:
         return self._plan(gen, step)
 
     def _plan(self, gen: int, step: int) -> Plan:
-        best = None
-        for f, chain in self._chains(gen, step).items():
-            if f > step:
-                continue
-            used = [d for d in chain if d.first_step <= step]
+        """The latest full ``<= step`` of ``gen`` whose chain reaches ``step`` (fulls tried newest first: the
+        first that works is the plan, usually the nearest; each try is O(diffs))."""
+        for f in sorted({m.last_step for m in self._gens.get(gen, []) if m.kind == "full" and m.last_step <= step},
+                        reverse=True):
+            used = [d for d in self._chain_from(gen, f, step) if d.first_step <= step]
             hi = used[-1].last_step if used else f
             if hi >= step and (not used or not used[-1].info.get("atomic") or used[-1].last_step == step):
-                if best is None or f > best[0].last_step:
-                    best = (self._full(gen, f), used)
-        if best is None:
-            raise NoCheckpointError(f"step {step} of generation {gen} has no complete chain")
-        full, used = best
-        return Plan(step=step, generation=gen, full=full, diffs=tuple(used))
+                return Plan(step=step, generation=gen, full=self._full(gen, f), diffs=tuple(used))
+        raise NoCheckpointError(f"step {step} of generation {gen} has no complete chain")
 
     def _full(self, gen: int, step: int) -> Manifest:
         return next(m for m in self._gens[gen] if m.kind == "full" and m.last_step == step)
 
+
+
+def _merge(spans: list[tuple[int, int]], cap: int | None) -> list[tuple[int, int]]:
+    """``spans`` (inclusive ranges, any order, may overlap) as sorted, disjoint, non-adjacent ranges, cut at
+    ``cap`` (None: not cut)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if cap is not None:
+            if lo > cap:
+                break
+            hi = min(hi, cap)
+        if out and lo <= out[-1][1] + 1:
+            if hi > out[-1][1]:
+                out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def range_difference(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The steps of ranges ``a`` not in ranges ``b`` (both sorted and disjoint, as :meth:`Lineage.
+    reachable_ranges` gives them), as ranges. O(len(a) + len(b))."""
+    out: list[tuple[int, int]] = []
+    j = 0
+    for lo, hi in a:
+        while j < len(b) and b[j][1] < lo:
+            j += 1
+        k = j
+        while lo <= hi:
+            if k >= len(b) or b[k][0] > hi:
+                out.append((lo, hi))
+                break
+            if b[k][0] > lo:
+                out.append((lo, b[k][0] - 1))
+            lo = max(lo, b[k][1] + 1)
+            k += 1
+    return out
 
 
 def gc_cutoff(lineage: Lineage, keep_fulls: int) -> Manifest | None:

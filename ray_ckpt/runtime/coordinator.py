@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import ray
 
 from ray_ckpt.engine.restore import load_lineage
-from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, gc_cutoff
+from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, gc_cutoff, range_difference
 from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
@@ -519,10 +519,9 @@ class Coordinator:
 
     def _restorable(self, durable_lineage: Lineage, lineage: Lineage) -> dict:
         gen = self._last_generation
-        durable = set(durable_lineage.reachable_steps(gen))
-        anywhere = set(lineage.reachable_steps(gen))
-        return {"generation": gen, "durable": [list(r) for r in _runs(sorted(durable))],
-                "memory": [list(r) for r in _runs(sorted(anywhere - durable))]}
+        durable = durable_lineage.reachable_ranges(gen)
+        return {"generation": gen, "durable": [list(r) for r in durable],
+                "memory": [list(r) for r in range_difference(lineage.reachable_ranges(gen), durable)]}
 
     def unpersisted(self) -> dict:
         """``{node_id: [names]}``: objects not yet durable, by a live holder (to promote after a node loss)."""
