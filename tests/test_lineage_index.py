@@ -251,3 +251,18 @@ def test_local_writer_rolls_the_index_and_restore_uses_it(tmp_path):
     storage.delete(object_key(stale_full))
     chain = resolve_and_load(storage, None, fallback=False)
     assert chain.step == 15 and chain.plan.full.last_step == 6 and plan.full.last_step == 12
+
+
+def test_the_index_is_rewritten_at_every_cheap_full_then_by_its_cost():
+    """A long run's index costs tens of ms to hundreds (every manifest, at every full): rewritten at every full
+    while cheap, then at most once per COST_FACTOR times what the last rewrite took, and always when forced
+    (garbage collection deleted objects the last index names)."""
+    RewriteClock = lineage_index.RewriteClock
+    clock = RewriteClock()
+    assert clock.due(0.0)
+    clock.done(10.0, 10.001)                          # cheap: the next full rewrites it again
+    assert clock.due(10.002)
+    clock.done(20.0, 20.5)                            # 0.5 s: not before 20 + 0.5 * COST_FACTOR
+    assert not clock.due(20.0 + 0.5 * RewriteClock.COST_FACTOR - 0.1)
+    assert clock.due(20.0 + 0.5 * RewriteClock.COST_FACTOR)
+    assert clock.due(21.0, force=True)

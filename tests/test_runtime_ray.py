@@ -405,3 +405,49 @@ def test_chunks_of_two_checksum_algorithms_merge_into_one_verified_object(run_en
         m, o = _fresh()[:2]
         assert ray_ckpt.restore(uri, m, o, step=s) == s
         T.assert_same(live[s], T.snapshot(m, o), f"step {s} of the merged object")
+
+
+def test_a_long_runs_figures_stay_exact_and_periodic_callers_reuse_their_view(ray_cluster, tmp_path, monkeypatch):  # noqa: F811
+    """A coordinator that has seen 200,000 steps (20,000 ten-step chunks held in memory, one lost, a durable full
+    every 150 steps): a fresh status is exact. Before the one-sweep lineage its head alone took minutes, and the
+    periodic calls (control, metrics: several a second) saturated the actor after ~30,000 steps. Periodic callers
+    (``max_age > 0``) reuse a view once building it costs more than ``CHEAP_S``, and status says how old it is."""
+    from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
+    from ray_ckpt.runtime import coordinator as C
+    from ray_ckpt.storage import open_storage
+
+    def man(kind, first, last):
+        name = full_name(1, last) if kind == "full" else diff_name(1, first, last)
+        return Manifest(kind=kind, generation=1, first_step=first, last_step=last, object=object_key(name),
+                        nbytes=1, crc32=0, strategy="lowdiff").to_json()
+
+    def feed(first_chunk, last_chunk, lost=()):
+        msgs = []
+        for c in range(first_chunk, last_chunk + 1):
+            a, b = 10 * c + 1, 10 * c + 10
+            if c not in lost:
+                msgs.append(("held", man("diff", a, b), None, node))
+            if b % 150 == 0:
+                msgs.append(("durable", man("full", b, b), []))
+        coord.update(node, msgs)
+
+    node = ray.get_runtime_context().get_node_id()
+    coord = C.Coordinator(f"t-{uuid.uuid4().hex[:8]}", open_storage(str(tmp_path / "ckpt")), 150, 10)
+    coord.update(node, [("durable", man("full", 0, 0), [])])
+    feed(0, 19_999, lost={7_000})                      # steps 70,001..70,010 held nowhere
+    st = coord.status()
+    assert st["recoverable_step"] == 200_000 and st["durable_step"] == 199_950
+    assert st["memory_objects"] == 19_999 and st["replicated_objects"] == 0
+    durable = st["restorable"]["durable"]
+    assert durable[:2] == [[0, 0], [150, 150]] and len(durable) == 200_000 // 150 + 1
+    memory = st["restorable"]["memory"]
+    assert memory[0] == [1, 149] and [69_901, 70_000] in memory and [70_051, 70_199] in memory
+    assert not any(lo <= 70_005 <= hi for lo, hi in memory + durable)   # the lost chunk, until the next full
+
+    monkeypatch.setattr(C, "CHEAP_S", 0.0)             # any view counts as expensive ...
+    monkeypatch.setattr(C, "COST_FACTOR", 1e9)         # ... and stays valid for this test
+    assert coord.status(max_age=1.0)["recoverable_step"] == 200_000   # builds the periodic view
+    feed(20_000, 20_009)
+    periodic, fresh = coord.status(max_age=1.0), coord.status()
+    assert periodic["recoverable_step"] == 200_000 and periodic["view_age_s"] >= 0
+    assert fresh["recoverable_step"] == 200_100 and fresh["memory_objects"] == 20_009

@@ -191,6 +191,7 @@ class AsyncWriter(BoundedSink):
         self.keep_fulls = keep_fulls
         #: the writer lease (:mod:`ray_ckpt.engine.lease`), renewed before commits; None: no lease
         self.lease = lease
+        self._index_clock = lineage_index.RewriteClock()   # when a full also rewrites the lineage index
         self._batch: list = []
         #: seconds a partial batch may wait for more records before it is written (None: until the policy closes
         #: it); bounds what a crash loses in time as well as in steps
@@ -300,33 +301,35 @@ class AsyncWriter(BoundedSink):
         self.stats.commits.append(name)
         if self._index is not None:
             self._index.append(manifest)
-            if kind == "full" and self.keep_fulls > 0:
-                self._collect()
-            if kind == "full":
+            collected = kind == "full" and self.keep_fulls > 0 and self._collect()
+            now = time.monotonic()
+            if kind == "full" and self._index_clock.due(now, force=collected):
                 try:
                     lineage_index.write_index(self.storage, self._index)
                 except Exception as e:  # noqa: BLE001 - the index is a cache: readers fall back to listing
                     log.warning("ray_ckpt: could not write the lineage index: %s", e)
+                self._index_clock.done(now, time.monotonic())
         if self.on_commit is not None:
             self.on_commit(manifest)
 
-    def _collect(self) -> None:
+    def _collect(self) -> bool:
         """Writer thread, after a full: delete what only serves steps before the ``keep_fulls`` newest fulls of the
         current timeline (the coordinator's rule, :func:`ray_ckpt.lineage.gc_cutoff`), and abandoned branches.
         A failure is logged, never raised: garbage collection must not stop checkpointing."""
         lin = Lineage(self._index)
         doomed = [m for m in self._index if collectable(lin, m, gc_cutoff(lin, self.keep_fulls))]
         if not doomed:
-            return
+            return False
         try:
             lineage_index.delete_committed(self.storage, doomed, missing=(ObjectNotFound,))
         except Exception as e:  # noqa: BLE001
             log.warning("ray_ckpt: garbage collection failed (%s); it is retried after the next full", e)
-            return
+            return True   # some may be gone: the index must not name them
         gone = {m.name for m in doomed}
         self._index = [m for m in self._index if m.name not in gone]
         self.stats.objects_deleted += len(doomed)
         log.info("ray_ckpt: garbage-collected %d objects (keep_fulls=%d)", len(doomed), self.keep_fulls)
+        return True
 
     def _retry(self, fn, what: str) -> None:
         try:

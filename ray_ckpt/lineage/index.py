@@ -112,6 +112,26 @@ def newer_keys(storage, generation: int, watermarks: dict) -> list[str]:
     return sorted(k for k in set(keys) if k.endswith(layout.MANIFEST_SUFFIX))
 
 
+class RewriteClock:
+    """When an index writer rewrites the index at a full. Encoding every manifest is linear in the run (0.3 s
+    of CPU for 36,000 manifests, an hour at 100 steps/s in 10-step objects, measured): at every full while a
+    rewrite costs under :attr:`CHEAP_S`, then at most once per :attr:`COST_FACTOR` times what the last one took
+    (its CPU share stays near 1/COST_FACTOR; readers list the manifests committed after it, see above), and
+    always when ``force`` is set (garbage collection deleted objects the last index names)."""
+
+    COST_FACTOR = 20.0
+    CHEAP_S = 0.005
+
+    def __init__(self):
+        self.t, self.cost = 0.0, 0.0
+
+    def due(self, now: float, force: bool = False) -> bool:
+        return force or self.cost <= self.CHEAP_S or now - self.t >= self.COST_FACTOR * self.cost
+
+    def done(self, started: float, now: float) -> None:
+        self.t, self.cost = started, now - started
+
+
 def write_index(storage, manifests, pending=()) -> None:
     """Roll ``manifests`` (every committed manifest the caller knows) up into the index object. Call after
     the newest of them is committed, e.g. right after a full's manifest (writer thread, coordinator actor).
