@@ -7,7 +7,8 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
-.PHONY: venv demo test reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber clean
+.PHONY: venv demo test reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber \
+	bench-coordinator clean
 
 venv: $(STAMP)
 
@@ -51,6 +52,10 @@ bench-scaling: $(STAMP)
 bench-fsdp: $(STAMP)
 	$(PY) -m benchmarks.fsdp
 	$(PY) -m benchmarks.fsdp --runtime ray
+
+# the coordinator's periodic work against the length of a run (lineages of 10,000-360,000 steps; ~1 min)
+bench-coordinator: $(STAMP)
+	$(PY) -m benchmarks.coordinator_scale
 
 # Amber vs LowDiff dense through runtime="ray" (paired blocks, ~15 min), then Amber's selection pass vs memcpy
 # (issue #17)

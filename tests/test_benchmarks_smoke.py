@@ -51,3 +51,21 @@ def test_benchmark_smoke(tmp_path):
     assert {"memory_latest", "durable_latest"} <= set(lowdiff)
     md = (out / "bench_smoke.md").read_text()
     assert "LowDiff top-k (ray)" in md and "torch" in md and "Python garbage collector" in md
+
+
+def test_coordinator_scale_smoke(tmp_path):
+    """``python -m benchmarks.coordinator_scale`` end to end on two short lineages (its own private Ray):
+    exact heads and plans on every size (asserted inside), the three outputs, one row per size."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "coord"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.coordinator_scale", "--chunks", "300,600",
+                           "--seconds", "1", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    log = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, log
+    rows = json.loads((out / "coordinator_scale.json").read_text())["rows"]
+    assert [r["steps"] for r in rows] == [3000, 6000], log
+    assert all(r["status_s"] > 0 and 0 <= r["steady_cpu_share"] for r in rows)
+    assert (out / "coordinator_scale.md").read_text().count("\n| ") == 2 + 1   # header + 2 rows
+    assert (out / "coordinator_scale.png").stat().st_size > 0
