@@ -260,9 +260,9 @@ def test_the_index_is_rewritten_at_every_cheap_full_then_by_its_cost():
     RewriteClock = lineage_index.RewriteClock
     clock = RewriteClock()
     assert clock.due(0.0)
-    clock.done(10.0, 10.001)                          # cheap: the next full rewrites it again
+    clock.done(10.0, 0.001)                           # cheap: the next full rewrites it again
     assert clock.due(10.002)
-    clock.done(20.0, 20.5)                            # 0.5 s: not before 20 + 0.5 * COST_FACTOR
+    clock.done(20.0, 0.5)                             # 0.5 s of CPU: not before 20 + 0.5 * COST_FACTOR
     assert not clock.due(20.0 + 0.5 * RewriteClock.COST_FACTOR - 0.1)
     assert clock.due(20.0 + 0.5 * RewriteClock.COST_FACTOR)
     assert clock.due(21.0, force=True)

@@ -86,9 +86,9 @@ class Coordinator:
         self._holes: dict[tuple[int, int], float] = {}   # (gen, step) -> first seen uncovered
         self._want_full: set[int] = set()                # generations whose trainer must take a full now
         self._last_gap_check = 0.0
-        self._gap_cost = 0.0          # seconds the last gap check took (see COST_FACTOR)
-        #: durable_only -> (when, seconds it took, the view): periodic callers reuse a view (see _lineage)
-        self._views: dict[bool, tuple[float, float, Lineage]] = {}
+        self._gap_cost = 0.0          # CPU seconds the last gap check took (see COST_FACTOR)
+        #: durable_only -> (when, CPU seconds it took, the view): periodic callers reuse a view (see _lineage)
+        self._views: dict[bool, tuple[float, float, Lineage]] = {}   # (when, CPU seconds it took, view)
         self._view_counts = (0, 0)    # objects held by a live node, by two or more: counted with the view
         self._index_clock = _lineage_index.RewriteClock()
         self._nodes_cache: tuple[float, set[str]] | None = None   # (when, alive node ids), see _alive_nodes
@@ -192,20 +192,22 @@ class Coordinator:
     def _lineage(self, durable_only: bool = False, max_age: float = 0.0) -> Lineage:
         """The lineage of what storage holds (``durable_only``) or of what storage or a live node holds.
 
-        ``max_age > 0`` (the periodic callers) accepts a view built that long ago, or ``COST_FACTOR`` times as
-        long as building and sweeping it took, whichever is longer: a long run's views cost tens of ms, and
-        rebuilding them several times a second would grow this actor's CPU with the run. Plans and explicit
-        status calls (``max_age=0``) always get a fresh view."""
+        ``max_age > 0`` (the periodic callers) accepts how old the list of alive nodes may be, and a view built
+        less than ``COST_FACTOR`` times its CPU cost ago once that cost exceeds ``CHEAP_S``: a long run's views
+        cost tens of ms, and rebuilding them several times a second would grow this actor's CPU with the run.
+        Plans and explicit status calls (``max_age=0``) always get a fresh view."""
         now = time.monotonic()
         cached = self._views.get(durable_only)
         if (max_age > 0 and cached is not None and cached[1] > CHEAP_S
                 and now - cached[0] <= COST_FACTOR * cached[1]):
             return cached[2]
+        cpu0 = time.thread_time()
         counts = None
         if durable_only:   # no need to ask which nodes are alive (ray.nodes() was the most of this actor's CPU)
             lin = Lineage([e.manifest for e in self.entries.values() if e.durable])
         else:
             alive = self._alive_nodes(max_age)
+            cpu0 = time.thread_time()   # the view's own cost (ray.nodes() has its own cache)
             ms, held, twice = [], 0, 0
             for e in self.entries.values():
                 live = sum(1 for n in e.holders if n in alive) if e.holders else 0
@@ -215,7 +217,7 @@ class Coordinator:
                     ms.append(e.manifest)
             lin, counts = Lineage(ms), (held, twice)
         lin.head()   # the sweep every periodic caller needs, timed with the build (the view keeps its result)
-        self._views[durable_only] = (now, time.monotonic() - now, lin)
+        self._views[durable_only] = (now, time.thread_time() - cpu0, lin)
         if counts is not None:
             self._view_counts = counts
         return lin
@@ -304,6 +306,7 @@ class Coordinator:
         # [lineage index #14] roll the durable manifests up at a full (after GC: no stale names; not at every
         # full of a long run, see RewriteClock)
         if m.kind == "full" and self._index_clock.due(now, force=bool(deleted)):
+            cpu0 = time.thread_time()
             try:
                 # objects still held and not durable may be committed later, some out of order (a peer
                 # persisting a lost worker's chunks): no watermark may pass them
@@ -311,7 +314,7 @@ class Coordinator:
                                            pending=[e.manifest for e in self.entries.values() if not e.durable])
             except Exception as e:  # noqa: BLE001 - a cache: readers fall back to listing
                 log.warning("ray_ckpt coordinator: could not write the lineage index: %s", e)
-            self._index_clock.done(now, time.monotonic())
+            self._index_clock.done(now, time.thread_time() - cpu0)
         _adaptive.observe_manifest_commit(self.tuner, kind=m.kind, first_step=m.first_step,  # [policy #14]
                                           last_step=m.last_step, nbytes=m.nbytes, created=m.created,
                                           now=time.time())
@@ -363,10 +366,11 @@ class Coordinator:
         if not force and now - self._last_gap_check < max(0.5, COST_FACTOR * self._gap_cost):
             return
         self._last_gap_check = now
+        cpu0 = time.thread_time()
         gen = self._last_generation
         holes = Lineage([e.manifest for e in self.entries.values() if e.manifest.generation == gen]
                         ).uncovered_steps(gen)
-        self._gap_cost = time.monotonic() - now
+        self._gap_cost = time.thread_time() - cpu0
         floor = self._durable_floor(gen)
         if floor is not None:
             holes = [s for s in holes if s > floor]
