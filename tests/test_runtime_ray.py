@@ -407,7 +407,8 @@ def test_chunks_of_two_checksum_algorithms_merge_into_one_verified_object(run_en
         T.assert_same(live[s], T.snapshot(m, o), f"step {s} of the merged object")
 
 
-def test_a_long_runs_figures_stay_exact_and_periodic_callers_reuse_their_view(ray_cluster, tmp_path, monkeypatch):  # noqa: F811
+def test_a_long_runs_figures_stay_exact_and_periodic_callers_reuse_their_view(
+        ray_cluster, tmp_path, monkeypatch):  # noqa: F811
     """A coordinator that has seen 200,000 steps (20,000 ten-step chunks held in memory, one lost, a durable full
     every 150 steps): a fresh status is exact. Before the one-sweep lineage its head alone took minutes, and the
     periodic calls (control, metrics: several a second) saturated the actor after ~30,000 steps. Periodic callers

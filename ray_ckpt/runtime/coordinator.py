@@ -50,11 +50,11 @@ log = logging.getLogger("ray_ckpt")
 
 
 GAP_GRACE_S = 2.0       #: how long a hole in the step sequence may last before it is declared a gap
-#: the periodic figures (control, metrics, gap checks) are recomputed at most once per this many times their last
-#: computation took: they are linear in the run's objects (36,000 after an hour at 100 steps/s in 10-step
-#: chunks: 0.17 s for status() measured), so their CPU share stays near 1/COST_FACTOR while their age grows
+#: the periodic figures (control, metrics, gap checks) are recomputed at most once per this many times the CPU
+#: their last computation took: they are linear in the run's objects (36,000 after an hour at 100 steps/s in
+#: 10-step chunks: 0.17 s for status() measured), so their CPU share stays near 1/COST_FACTOR while their age grows
 COST_FACTOR = 50.0
-#: below this many seconds a periodic computation is redone every time, as in a short run
+#: below this many CPU seconds a periodic computation is redone every time, as in a short run
 CHEAP_S = 0.005
 
 
@@ -88,7 +88,7 @@ class Coordinator:
         self._last_gap_check = 0.0
         self._gap_cost = 0.0          # CPU seconds the last gap check took (see COST_FACTOR)
         #: durable_only -> (when, CPU seconds it took, the view): periodic callers reuse a view (see _lineage)
-        self._views: dict[bool, tuple[float, float, Lineage]] = {}   # (when, CPU seconds it took, view)
+        self._views: dict[bool, tuple[float, float, Lineage]] = {}
         self._view_counts = (0, 0)    # objects held by a live node, by two or more: counted with the view
         self._index_clock = _lineage_index.RewriteClock()
         self._nodes_cache: tuple[float, set[str]] | None = None   # (when, alive node ids), see _alive_nodes
@@ -201,13 +201,13 @@ class Coordinator:
         if (max_age > 0 and cached is not None and cached[1] > CHEAP_S
                 and now - cached[0] <= COST_FACTOR * cached[1]):
             return cached[2]
-        cpu0 = time.thread_time()
+        # no need to ask which nodes are alive for durable_only (ray.nodes() was the most of this actor's CPU)
+        alive = None if durable_only else self._alive_nodes(max_age)
+        cpu0 = time.thread_time()   # the view's own cost (ray.nodes() has its own cache)
         counts = None
-        if durable_only:   # no need to ask which nodes are alive (ray.nodes() was the most of this actor's CPU)
+        if alive is None:
             lin = Lineage([e.manifest for e in self.entries.values() if e.durable])
         else:
-            alive = self._alive_nodes(max_age)
-            cpu0 = time.thread_time()   # the view's own cost (ray.nodes() has its own cache)
             ms, held, twice = [], 0, 0
             for e in self.entries.values():
                 live = sum(1 for n in e.holders if n in alive) if e.holders else 0
