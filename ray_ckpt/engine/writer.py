@@ -301,15 +301,16 @@ class AsyncWriter(BoundedSink):
         self.stats.commits.append(name)
         if self._index is not None:
             self._index.append(manifest)
-            collected = kind == "full" and self.keep_fulls > 0 and self._collect()
-            now = time.monotonic()
-            if kind == "full" and self._index_clock.due(now, force=collected):
-                cpu0 = time.thread_time()
-                try:
-                    lineage_index.write_index(self.storage, self._index)
-                except Exception as e:  # noqa: BLE001 - the index is a cache: readers fall back to listing
-                    log.warning("ray_ckpt: could not write the lineage index: %s", e)
-                self._index_clock.done(now, time.thread_time() - cpu0)
+            if kind == "full":
+                collected = self.keep_fulls > 0 and self._collect()
+                now = time.monotonic()
+                if self._index_clock.due(now, force=collected):
+                    cpu0 = time.thread_time()
+                    try:
+                        lineage_index.write_index(self.storage, self._index)
+                    except Exception as e:  # noqa: BLE001 - the index is a cache: readers fall back to listing
+                        log.warning("ray_ckpt: could not write the lineage index: %s", e)
+                    self._index_clock.done(now, time.thread_time() - cpu0)
         if self.on_commit is not None:
             self.on_commit(manifest)
 

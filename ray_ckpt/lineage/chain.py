@@ -152,8 +152,9 @@ class Lineage:
         spans: list[tuple[int, int]] = [(f, f) for f in fulls]
         todo = sorted({f + 1 for f in fulls})                 # a sorted list is a heap
         seen = set(todo)
-        hi = None      # every interest point above the current position and up to here is reachable
-        done_to = None  # steps from the current position up to below this are in `spans` already
+        # positions are >= 1 and steps >= 0, so -1 is "nothing yet" for both:
+        hi = -1        # every interest point above the current position and up to here is reachable
+        done_to = -1   # steps from the current position up to below this are in `spans` already
         i = j = k = 0
         while todo:
             p = heapq.heappop(todo)
@@ -161,11 +162,11 @@ class Lineage:
                 d = plain[i]
                 i += 1
                 if d.last_step >= p:     # covers p (else it ended before every later position too)
-                    lo = p if done_to is None else max(p, done_to)
+                    lo = max(p, done_to)
                     if lo <= d.last_step:
                         spans.append((lo, d.last_step))
-                    done_to = d.last_step + 1 if done_to is None else max(done_to, d.last_step + 1)
-                    hi = d.last_step + 1 if hi is None else max(hi, d.last_step + 1)
+                    done_to = max(done_to, d.last_step + 1)
+                    hi = max(hi, d.last_step + 1)
             while j < len(atomic) and atomic[j].first_step <= p:
                 d = atomic[j]
                 j += 1
@@ -174,7 +175,7 @@ class Lineage:
                     if d.last_step + 1 not in seen:
                         seen.add(d.last_step + 1)
                         heapq.heappush(todo, d.last_step + 1)
-            while k < len(interest) and hi is not None and interest[k] <= hi:
+            while k < len(interest) and interest[k] <= hi:
                 q = interest[k]
                 k += 1
                 if q > p and q not in seen:
