@@ -163,6 +163,43 @@ def test_node_removal_loses_nothing_reported_recoverable(run_env, ray_cluster): 
     T.assert_same(_reference(reported), T.snapshot(m, o, sc), "after node removal")
 
 
+def test_a_diff_committed_after_gc_collected_its_steps_is_deleted(ray_cluster, tmp_path):  # noqa: F811
+    """GC drops an entry whose write is in flight (not durable yet); the worker then commits it. Its report must
+    delete it: before, it stayed on storage until the next full's GC, and for good after a run's last full."""
+    from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
+    from ray_ckpt.runtime import coordinator as C
+    from ray_ckpt.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "ckpt"))
+
+    def man(kind, first, last, write=True):
+        name = full_name(1, last) if kind == "full" else diff_name(1, first, last)
+        m = Manifest(kind=kind, generation=1, first_step=first, last_step=last, object=object_key(name),
+                     nbytes=1, crc32=0, strategy="lowdiff")
+        if write:
+            storage.write(m.object, [b"x"])
+            storage.write(m.key, m.to_json())
+        return m
+
+    node = ray.get_runtime_context().get_node_id()
+    coord = C.Coordinator(f"t-{uuid.uuid4().hex[:8]}", storage, 10, 4, keep_fulls=2)
+    for f in (0, 10):
+        coord.update(node, [("durable", man("full", f, f).to_json(), [])])
+    late = [man("diff", 1, 4, write=False), man("diff", 11, 14, write=False)]
+    coord.update(node, [("held", m.to_json(), None, node) for m in late])
+    coord.update(node, [("durable", man("full", 20, 20).to_json(), [])])   # GC: keeps fulls 10 and 20
+    assert late[0].name not in coord.entries and late[1].name in coord.entries
+    assert not storage.exists(man("full", 0, 0, write=False).key)
+    for m in late:                         # the in-flight writes commit now
+        storage.write(m.object, [b"x"])
+        storage.write(m.key, m.to_json())
+        coord.update(node, [("durable", m.to_json(), [m.name])])
+    assert not storage.exists(late[0].key) and not storage.exists(late[0].object)
+    assert late[0].name not in coord.entries
+    assert storage.exists(late[1].key) and coord.entries[late[1].name].durable   # past the kept full: kept
+    assert coord.status()["durable_step"] == 20
+
+
 def test_memory_budget_releases_durable_objects(run_env):
     run, uri = run_env
     model = T.MLP(d_in=32, hidden=512, d_out=8)  # dense diffs of ~1.1 MB: 2 MiB hold one or two
@@ -192,7 +229,7 @@ def test_gc_keeps_the_newest_fulls(run_env):
     import os
     names = sorted(os.listdir(os.path.join(uri, "manifests")))
     assert [n for n in names if "full" in n] == ["g000001-full-000000000010.json", "g000001-full-000000000020.json"]
-    assert all(int(n.split("-")[-1][:12]) >= 10 for n in names)  # nothing that ends before the kept chains
+    assert all(int(n.split("-")[-1][:12]) >= 10 for n in names), names  # nothing that ends before the kept chains
     m, o, sc = _fresh()
     assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=13, runtime="ray", run=run) == 13
     T.assert_same(_reference(13), T.snapshot(m, o, sc), "after gc")

@@ -93,6 +93,7 @@ class Coordinator:
         self._index_clock = _lineage_index.RewriteClock()
         self._nodes_cache: tuple[float, set[str]] | None = None   # (when, alive node ids), see _alive_nodes
         self.keep_fulls = keep_fulls  # > 0: garbage-collect chains older than that many durable fulls
+        self._gc_floor: tuple[int, int] | None = None   # (generation, step) of the last GC's oldest kept full
         self.storage = storage
         self.policy = FixedFrequencyPolicy(full_every, batch_steps)
         self.entries: dict[str, _Entry] = {}
@@ -290,6 +291,8 @@ class Coordinator:
     def report_durable(self, manifest_json: bytes, covers: list[str]) -> None:
         """An object was committed to storage; ``covers`` are the memory-tier objects it makes durable."""
         m = Manifest.from_json(manifest_json)
+        if self._collected_already(m):
+            return
         self._add(m, None, None, True)
         for n in covers:
             if n in self.entries and n != m.name:
@@ -319,6 +322,24 @@ class Coordinator:
                                           last_step=m.last_step, nbytes=m.nbytes, created=m.created,
                                           now=time.time())
         self._decide()  # [policy #14]
+
+    def _collected_already(self, m: Manifest) -> bool:
+        """A diff committed after GC dropped its steps (its write was in flight when GC ran, so GC could not
+        delete it): delete it now, or it would stay on storage until the next full's GC, forever at a run's end.
+        Only within the generation GC last ran on (a newer one may branch anywhere: the next GC decides)."""
+        floor = self._gc_floor
+        if (floor is None or m.kind == "full" or m.generation != floor[0] or self._last_generation != floor[0]
+                or m.last_step >= floor[1]):
+            return False
+        try:
+            self.storage.delete(m.key)      # manifest first, as in gc
+            self.storage.delete(m.object)
+        except Exception as e:  # noqa: BLE001 - kept as an entry: the next GC deletes it
+            log.warning("ray_ckpt coordinator: could not delete %s, written after GC collected its steps: %s",
+                        m.name, e)
+            return False
+        log.info("ray_ckpt coordinator: deleted %s, written after GC collected its steps", m.name)
+        return True
 
     def release(self, node_id: str, names: list[str]) -> None:
         for n in names:
@@ -584,6 +605,8 @@ class Coordinator:
         storage and from the memory tier. Returns the deleted object names."""
         lin = self._lineage(durable_only=True)  # only durable fulls count as kept
         cutoff = gc_cutoff(lin, keep_fulls)
+        if cutoff is not None:
+            self._gc_floor = (cutoff.generation, cutoff.last_step)
         doomed = [e for e in self.entries.values() if collectable(lin, e.manifest, cutoff)]
         if not doomed:
             return []

@@ -58,6 +58,7 @@ log = logging.getLogger("ray_ckpt")
 #: lags the workers by at most 50 ms (a restore right after a crash plans from it)
 _REPORT_INTERVAL_S = 0.05
 _RETRY_AFTER_FAILURE_S = 10.0   # a job whose write failed beyond its retry budget is tried again this much later
+_DELIVERY_WAIT_S = 30.0       # flush: how long to wait for the coordinator to apply the last report
 #: durable_diffs="fulls": how long a diff chunk may wait for the peer's acknowledgement before it is written
 LAZY_GRACE_S = 10.0
 
@@ -134,6 +135,8 @@ class PersistenceWorker:
         self._stats = collections.Counter()
         self._coordinator = None
         self._reports: list = []                      # messages for the coordinator, in order
+        self._reports_sending = False                 # taken from _reports, update() not submitted yet
+        self._last_update = None                      # ObjectRef of the newest update() call
         self._replica_calls: dict = {}                # ObjectRef of hold_replica -> (name, peer node)
         self._newly_safe: dict[int, list[str]] = {}   # gen -> names safe since the last answer
         self._peer_cache: tuple[float, object, str] | None = None
@@ -320,8 +323,8 @@ class PersistenceWorker:
             self._flush_requested += 1
             self._cv.notify_all()
             try:
-                while ((self._pending_any() or self._writing or self._replica_calls or self._reports)
-                       and self._error is None):
+                while ((self._pending_any() or self._writing or self._replica_calls or self._reports
+                        or self._reports_sending) and self._error is None):
                     if time.monotonic() > deadline:
                         raise TimeoutError("persistence worker flush timed out")
                     self._cv.wait(0.1)
@@ -329,7 +332,20 @@ class PersistenceWorker:
                 self._flush_requested -= 1
             if self._error is not None:
                 raise RuntimeError(f"persistence worker on node {self.node_id} failed: {self._error}")
+            last = self._last_update
+        self._await_delivery(last, deadline)
         return self.stats()
+
+    def _await_delivery(self, ref, deadline: float) -> None:
+        """Wait until the coordinator has applied the newest report (its calls run one at a time, in order per
+        caller): after ``flush`` its status and GC see every object this worker made durable. A coordinator
+        that is restarting rebuilds from inventories instead; that is not waited for beyond the deadline."""
+        if ref is None:
+            return
+        try:
+            ray.get(ref, timeout=max(0.1, min(_DELIVERY_WAIT_S, deadline - time.monotonic())))
+        except Exception as e:  # noqa: BLE001 - restarting or slow: it rebuilds from inventories
+            log.info("ray_ckpt: the coordinator has not confirmed this worker's last report: %s", e)
 
     def inventory(self) -> list:
         """``[(manifest_json, [ref], durable)]`` of everything held (coordinator rebuild)."""
@@ -386,6 +402,7 @@ class PersistenceWorker:
                 if not self._reports and not self._replica_calls:
                     self._cv.wait(1.0)
                 msgs, self._reports = self._reports, []
+                self._reports_sending = bool(msgs)
                 calls = list(self._replica_calls)
             if calls:
                 ready, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
@@ -400,13 +417,16 @@ class PersistenceWorker:
                     if ok:
                         self._mark_safe([name], peer=peer_node)
             if msgs:
+                ref = None
                 try:
-                    self._coord().update.remote(self.node_id, msgs)
+                    ref = self._coord().update.remote(self.node_id, msgs)
                     self._stats["coordinator_calls"] += 1
                 except Exception as e:  # noqa: BLE001 - the coordinator is restarting: it rebuilds from inventories
                     log.warning("ray_ckpt: coordinator unreachable (%s); it will rebuild from inventories", e)
                     self._coordinator = None
                 with self._cv:
+                    self._last_update = ref
+                    self._reports_sending = False
                     self._cv.notify_all()
             time.sleep(_REPORT_INTERVAL_S)
 
