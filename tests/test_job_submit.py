@@ -47,7 +47,7 @@ def ray_head():
            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
            f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rtenv}", f"--node-manager-port={nm}",
            f"--object-manager-port={om}", f"--ray-client-server-port={client}",
-           "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--temp-dir={tmp}/ray", "--num-cpus=3",
+           "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--temp-dir={tmp}/ray", "--num-cpus=5",
            "--memory=6000000000", "--object-store-memory=300000000", "--disable-usage-stats"]
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=180)
     try:
@@ -59,7 +59,7 @@ def ray_head():
                 os.kill(p, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        deadline = time.time() + 15
+        deadline = time.time() + 5   # what ignores SIGTERM that long is killed
         while time.time() < deadline and _pids_using(tmp):
             time.sleep(0.3)
         for p in _pids_using(tmp):
@@ -70,37 +70,49 @@ def ray_head():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _ray(env, *args, timeout=600):
+    return subprocess.run([os.path.join(BIN, "ray"), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
+    """Two jobs at once (their start-ups overlap): the example as is, and with FSDP2 (--fsdp)."""
     address, env, tmp = ray_head
-    storage = tmp_path / "ckpt"
     runtime_env = {"working_dir": ROOT, "excludes": [".venv", ".git", "benchmarks/results", "*.pt", "*.png"]}
-    cmd = [os.path.join(BIN, "ray"), "job", "submit", f"--address={address}",
-           f"--runtime-env-json={json.dumps(runtime_env)}", "--",
-           "python", "examples/train_gpt.py", "--steps", "8", "--preset", "tiny", "--workers", "2",
-           "--storage", str(storage), "--full-every", "4", "--batch-steps", "2", "--corpus-mb", "1",
-           "--log-every", "4", "--name", "job-test"]
-    deadline = time.time() + 120
-    while True:  # the head's dashboard agent needs a moment after `ray start` before it accepts jobs
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if "No available agent" not in r.stdout + r.stderr or time.time() > deadline:
-            break
-        time.sleep(2)
-    assert r.returncode == 0 and "succeeded" in r.stdout.lower(), r.stdout[-4000:] + r.stderr[-2000:]
-    assert "[ray_ckpt] starting at step 0" in r.stdout
+    jobs = {"job-test": (tmp_path / "ckpt", []), "job-fsdp": (tmp_path / "ckpt_fsdp", ["--fsdp"])}
+    ids = {}
+    for name, (storage, extra) in jobs.items():
+        cmd = ["job", "submit", f"--address={address}", f"--runtime-env-json={json.dumps(runtime_env)}",
+               f"--submission-id={name}-{os.getpid()}", "--no-wait", "--",
+               "python", "examples/train_gpt.py", "--steps", "8", "--preset", "tiny", "--workers", "2",
+               "--storage", str(storage), "--full-every", "4", "--batch-steps", "2", "--corpus-mb", "1",
+               "--log-every", "4", "--name", name, *extra]
+        deadline = time.time() + 120
+        while True:  # the head's dashboard agent needs a moment after `ray start` before it accepts jobs
+            r = _ray(env, *cmd)
+            if "No available agent" not in r.stdout + r.stderr or time.time() > deadline:
+                break
+            time.sleep(2)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        ids[name] = f"{name}-{os.getpid()}"
+    # `ray job logs --follow` returns when its job has ended
+    tails = {n: subprocess.Popen([os.path.join(BIN, "ray"), "job", "logs", f"--address={address}", "--follow", i],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n, i in ids.items()}
+    logs = {n: p.communicate(timeout=600)[0] for n, p in tails.items()}
+    for name, i in ids.items():
+        st = _ray(env, "job", "status", f"--address={address}", i, timeout=120)
+        assert "succeeded" in st.stdout.lower(), (name, st.stdout[-2000:], logs[name][-4000:])
+    assert "[ray_ckpt] starting at step 0" in logs["job-test"], logs["job-test"][-4000:]
     from ray_ckpt.engine.restore import load_lineage
     from ray_ckpt.storage import open_storage
-    lineage, _ = load_lineage(open_storage(str(storage)))
+    lineage, _ = load_lineage(open_storage(str(jobs["job-test"][0])))
     assert lineage.head() == 8
     assert lineage.reachable_steps(1) == list(range(9))
 
-    # the same example with FSDP2 (--fsdp): every rank writes its shard lineage; both reach the last step
-    storage2 = tmp_path / "ckpt_fsdp"
-    cmd2 = [c for c in cmd if c not in ("job-test",)] + ["job-fsdp", "--fsdp"]
-    cmd2[cmd2.index("--storage") + 1] = str(storage2)
-    r = subprocess.run(cmd2, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "succeeded" in r.stdout.lower(), r.stdout[-4000:] + r.stderr[-2000:]
+    # the FSDP2 job: every rank writes its shard lineage; both reach the last step
     from ray_ckpt.engine import sharded
-    s2 = open_storage(str(storage2))
+    s2 = open_storage(str(jobs["job-fsdp"][0]))
     assert sharded.saved_worlds(s2) == [2]
     for rank in range(2):
         lin, _ = load_lineage(sharded.shard_storage(s2, 2, rank))
