@@ -19,9 +19,9 @@ from ray_ckpt.format import checksum
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.format.records import FullState
-from ray_ckpt.lineage import MANIFESTS_DIR, Lineage, Manifest, ManifestError, NoCheckpointError, Plan
-from ray_ckpt.lineage import index as lineage_index
-from ray_ckpt.storage import ObjectNotFound, StorageError
+from ray_ckpt.engine.lineage_io import load_lineage, unhide  # noqa: F401 - re-exported (callers import them here)
+from ray_ckpt.lineage import Lineage, Manifest, ManifestError, NoCheckpointError, Plan
+from ray_ckpt.storage import ObjectNotFound
 
 log = logging.getLogger("ray_ckpt")
 
@@ -38,82 +38,6 @@ class LoadedChain:
     @property
     def step(self) -> int:
         return self.plan.step
-
-
-def load_lineage(storage, *, strict: bool = True, use_index: bool = True) -> tuple[Lineage, list[str]]:
-    """Every committed manifest. Malformed ones raise :class:`ManifestError` when ``strict``; otherwise
-    they are skipped and their keys returned as the second element.
-
-    With ``use_index`` the lineage index (:mod:`ray_ckpt.lineage.index`) is read first and only the manifests
-    committed after it are listed and read: a bounded number of requests however long the run. Without an
-    index (or with a broken one) every manifest is listed and read."""
-    if use_index:
-        got = _load_indexed(storage, strict)
-        if got is not None:
-            return got
-    return _load_listed(storage, storage.list(MANIFESTS_DIR), strict, [])
-
-
-def _load_listed(storage, keys, strict: bool, manifests: list) -> tuple[Lineage, list[str]]:
-    bad = []
-    for key in keys:
-        if not key.endswith(".json"):
-            continue
-        try:
-            manifests.append(Manifest.from_json(storage.read(key), key))
-        except ObjectNotFound:
-            continue  # deleted (garbage-collected) between the listing and the read
-        except ManifestError:
-            if strict:
-                raise
-            bad.append(key)
-    return Lineage(_dedupe(manifests)), bad
-
-
-def _dedupe(manifests: list) -> list:
-    by_name = {}
-    for m in manifests:  # later entries (read from storage) win over the index's copies
-        by_name[m.name] = m
-    return list(by_name.values())
-
-
-def _load_indexed(storage, strict: bool) -> tuple[Lineage, list[str]] | None:
-    try:
-        data = storage.read(lineage_index.INDEX_KEY)
-    except ObjectNotFound:
-        return None
-    except StorageError as e:
-        log.warning("ray_ckpt: lineage index unreadable (%s); listing every manifest", e)
-        return None
-    try:
-        gen, marks, manifests = lineage_index.decode_index(data)
-    except lineage_index.IndexError_ as e:
-        log.warning("ray_ckpt: %s; listing every manifest", e)
-        return None
-    newer = lineage_index.newer_keys(storage, gen, marks)
-    lineage, bad = _load_listed(storage, newer, strict, list(manifests))
-    fresh = {k.rsplit("/", 1)[-1][:-len(".json")] for k in newer}
-    lineage.from_index = {m.name for m in manifests} - fresh  # copies: checked against storage by plan_restore
-    return lineage, bad
-
-
-def unhide(storage, m: Manifest) -> bool:
-    """After committing ``m`` possibly out of order: delete the lineage index when it would hide ``m`` from
-    readers (:func:`ray_ckpt.lineage.index.hides`); they list every manifest until the next index. Returns
-    whether it deleted it. Any process that commits (the persistence workers, the replica)."""
-    try:
-        index = lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY))
-    except (ObjectNotFound, lineage_index.IndexError_):
-        return False      # readers list every manifest already
-    except StorageError as e:
-        log.warning("ray_ckpt: lineage index unreadable after committing %s (%s); deleting it", m.name, e)
-        index = None
-    if index is not None and not lineage_index.hides(index, m):
-        return False
-    storage.delete(lineage_index.INDEX_KEY)
-    log.info("ray_ckpt: %s was committed behind the lineage index; index deleted (readers list until the next)",
-             m.name)
-    return True
 
 
 def plan_restore(storage, step: int | None, lineage: Lineage | None = None, *, strict: bool = True

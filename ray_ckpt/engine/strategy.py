@@ -98,8 +98,22 @@ def register(name: str, config_cls: type, impl_cls: type) -> None:
     _REGISTRY[name] = (config_cls, impl_cls)
 
 
+_builtins_loaded = False
+
+
+def _load_builtins() -> None:
+    """Import the modules that register the built-in strategies (Amber, per-rank loop state) on first use, so
+    that whichever module a process imported first, every strategy is known when an object is decoded."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        import ray_ckpt.engine.amber  # noqa: F401
+        import ray_ckpt.engine.rankloop  # noqa: F401
+
+
 def impl_for(strategy: Any) -> StrategyImpl:
     """The implementation for a strategy config object (``ray_ckpt.LowDiff()``, ``ray_ckpt.Amber()``...)."""
+    _load_builtins()
     for config_cls, impl_cls in _REGISTRY.values():
         if isinstance(strategy, config_cls):
             return impl_cls(strategy)
@@ -121,6 +135,7 @@ def decode_object(impl: StrategyImpl, data, name: str, *, verify: bool = True, c
 
 def impl_by_name(name: str) -> StrategyImpl:
     """The implementation that decodes objects written with strategy ``name`` (default settings)."""
+    _load_builtins()
     try:
         config_cls, impl_cls = _REGISTRY[name]
     except KeyError:

@@ -33,10 +33,8 @@ import torch
 
 from ray_ckpt.format import checksum as _checksum
 from ray_ckpt.format import safejson
+from ray_ckpt.format.framing import ALIGN, MAGIC, MAX_HEADER_BYTES, CorruptObjectError  # noqa: F401 - re-exported
 
-MAGIC = b"RCKPT\x00\x01\x00"
-ALIGN = 64
-MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 1_000_000
 MAX_NDIM = 16
 _PREFIX = struct.Struct("<8sQI")
@@ -57,15 +55,6 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
 _TORCH_TO_NAME = {t: n for n, (t, _) in _DTYPES.items()}
 _ZEROS = np.zeros(ALIGN, dtype=np.uint8)   # padding between tensors (read-only: shared by every encode)
 _ZEROS.flags.writeable = False
-
-
-class CorruptObjectError(ValueError):
-    """An object failed validation (bad magic, checksum mismatch, truncated, hostile header). Names the object."""
-
-    def __init__(self, name: str, reason: str):
-        super().__init__(f"corrupt checkpoint object {name!r}: {reason}")
-        self.object_name = name
-        self.reason = reason
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -16,7 +16,7 @@ import struct
 import zlib
 
 from ray_ckpt.format import checksum, safejson
-from ray_ckpt.format.container import ALIGN, MAGIC, MAX_HEADER_BYTES, CorruptObjectError
+from ray_ckpt.format.framing import ALIGN, MAGIC, MAX_HEADER_BYTES, CorruptObjectError
 
 _PREFIX = struct.Struct("<8sQI")
 MAX_SEGMENTS = 1_000_000

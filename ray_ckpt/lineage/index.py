@@ -19,7 +19,7 @@ fulls interleave with the trainer's after the replica recovered. Two rules keep 
   index covers that generation only (readers list every later one);
 * a writer that may commit out of order makes the object known to the coordinator before it commits (the
   worker's ``persist``), and after committing deletes an index that hides it (:func:`hides`;
-  :func:`ray_ckpt.engine.restore.unhide`), so that readers list every manifest until the next index.
+  :func:`ray_ckpt.engine.lineage_io.unhide`), so that readers list every manifest until the next index.
 
 A missing, unreadable, malformed or newer-format index makes readers fall back to
 listing every manifest; an index that names an object deleted since (garbage collection) surfaces as a missing

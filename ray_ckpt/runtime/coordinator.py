@@ -33,14 +33,12 @@ from dataclasses import dataclass, field
 
 import ray
 
-from ray_ckpt.engine.restore import load_lineage
+from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, gc_cutoff, range_difference
 from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
 from ray_ckpt.lineage import index as _lineage_index  # [lineage index #14]
-from ray_ckpt.engine import amber_tier
-from ray_ckpt.engine import gc as _gc
 from ray_ckpt.engine.lease import Lease, LeaseLost
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
@@ -625,6 +623,9 @@ class Coordinator:
             del self.entries[m.name]
             deleted.append(m.name)
         try:  # the ranks' loop-state lineages (ranks/<r>/) and the Amber tier (tiers/amber/) by the same rule
+            # imported here: they bring torch, which this actor needs for nothing else (a faster, leaner start)
+            from ray_ckpt.engine import amber_tier
+            from ray_ckpt.engine import gc as _gc
             _gc.collect_ranks(self.storage, lin, cutoff)
             amber_tier.collect(self.storage, lin, cutoff)
         except Exception as e:  # noqa: BLE001 - retried at the next full

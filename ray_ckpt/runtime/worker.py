@@ -286,8 +286,8 @@ class PersistenceWorker:
 
         These commits may come after later steps' (the run went on): each object is first made known to the
         coordinator (one call, so that no lineage index it writes passes it) and, once committed, an index that
-        hides it anyway (written before) is deleted (:func:`ray_ckpt.engine.restore.unhide`)."""
-        from ray_ckpt.engine.restore import unhide
+        hides it anyway (written before) is deleted (:func:`ray_ckpt.engine.lineage_io.unhide`)."""
+        from ray_ckpt.engine.lineage_io import unhide
         done = []
         for name in names:
             with self._cv:
