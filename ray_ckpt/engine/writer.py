@@ -52,7 +52,6 @@ class WriterStats:
     objects_deleted: int = 0            #: garbage-collected by ``keep_fulls`` (runtime="local")
     write_seconds: float = 0.0
     encode_seconds: float = 0.0
-    commits: list = field(default_factory=list)   #: manifests committed, in order (names only)
 
 
 @dataclass
@@ -298,7 +297,6 @@ class AsyncWriter(BoundedSink):
             self.stats.full_bytes += nbytes
         prev = self.stats.last_committed_step
         self.stats.last_committed_step = last if prev is None else max(prev, last)
-        self.stats.commits.append(name)
         if self._index is not None:
             self._index.append(manifest)
             if kind == "full":
