@@ -65,11 +65,15 @@ def test_layers_import_only_downwards():
     assert not problems, "\n".join(problems)
 
 
-def test_pure_layers_import_without_ray():
-    code = ("import sys; import ray_ckpt.format, ray_ckpt.storage, ray_ckpt.lineage, ray_ckpt.policy, "
-            "ray_ckpt.config, ray_ckpt.api; assert 'ray' not in sys.modules, 'ray was imported'")
+def _python_ok(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (nothing imported yet) and require it to succeed."""
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_pure_layers_import_without_ray():
+    _python_ok("import sys; import ray_ckpt.format, ray_ckpt.storage, ray_ckpt.lineage, ray_ckpt.policy, "
+               "ray_ckpt.config, ray_ckpt.api; assert 'ray' not in sys.modules, 'ray was imported'")
 
 
 def test_the_persistence_actors_and_the_package_import_without_torch():
@@ -77,22 +81,18 @@ def test_the_persistence_actors_and_the_package_import_without_torch():
     node, restarted with the run) import neither torch nor the tensor codecs: over a second less CPU per actor start
     and ~185 MB less memory each (docs/architecture.md). ``import ray_ckpt`` stays light too; its public names
     load on first use."""
-    code = ("import sys\n"
-            "class Block:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] == 'torch':\n"
-            "            raise ImportError('torch imported by ' + repr(sys._getframe(1).f_code.co_filename))\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "import ray_ckpt, ray_ckpt.runtime.coordinator, ray_ckpt.runtime.worker\n"
-            "assert ray_ckpt.__version__ and 'Checkpointer' in dir(ray_ckpt)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _python_ok("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] == 'torch':\n"
+               "            raise ImportError('torch imported by ' + repr(sys._getframe(1).f_code.co_filename))\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "import ray_ckpt, ray_ckpt.runtime.coordinator, ray_ckpt.runtime.worker\n"
+               "assert ray_ckpt.__version__ and 'Checkpointer' in dir(ray_ckpt)\n")
     # and the lazy names resolve to the same objects as their modules'
-    code = ("import ray_ckpt, ray_ckpt.api, ray_ckpt.lineage, ray_ckpt.format.container as c\n"
-            "assert ray_ckpt.Checkpointer is ray_ckpt.api.Checkpointer\n"
-            "assert ray_ckpt.NoCheckpointError is ray_ckpt.lineage.NoCheckpointError\n"
-            "assert ray_ckpt.CorruptObjectError is c.CorruptObjectError\n"
-            "assert ray_ckpt.train.RayCkptCallback\n"
-            "try:\n    ray_ckpt.nothing_here\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _python_ok("import ray_ckpt, ray_ckpt.api, ray_ckpt.lineage, ray_ckpt.format.container as c\n"
+               "assert ray_ckpt.Checkpointer is ray_ckpt.api.Checkpointer\n"
+               "assert ray_ckpt.NoCheckpointError is ray_ckpt.lineage.NoCheckpointError\n"
+               "assert ray_ckpt.CorruptObjectError is c.CorruptObjectError\n"
+               "assert ray_ckpt.train.RayCkptCallback\n"
+               "try:\n    ray_ckpt.nothing_here\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")

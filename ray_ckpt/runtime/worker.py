@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
+from ray_ckpt.engine.lineage_io import unhide
 from ray_ckpt.format import checksum, segments
 from ray_ckpt.lineage import Manifest, diff_name, object_key
 from ray_ckpt.lineage.manifest import lazy_diffs
@@ -287,7 +288,6 @@ class PersistenceWorker:
         These commits may come after later steps' (the run went on): each object is first made known to the
         coordinator (one call, so that no lineage index it writes passes it) and, once committed, an index that
         hides it anyway (written before) is deleted (:func:`ray_ckpt.engine.lineage_io.unhide`)."""
-        from ray_ckpt.engine.lineage_io import unhide
         done = []
         for name in names:
             with self._cv:
