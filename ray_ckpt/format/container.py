@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -34,10 +33,10 @@ import torch
 from ray_ckpt.format import checksum as _checksum
 from ray_ckpt.format import safejson
 from ray_ckpt.format.framing import ALIGN, MAGIC, MAX_HEADER_BYTES, CorruptObjectError  # noqa: F401 - re-exported
+from ray_ckpt.format.framing import PREFIX as _PREFIX
 
 MAX_TENSORS = 1_000_000
 MAX_NDIM = 16
-_PREFIX = struct.Struct("<8sQI")
 
 # dtype name <-> (torch dtype, numpy dtype used to carry the raw bytes)
 _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {

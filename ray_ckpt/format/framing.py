@@ -5,9 +5,12 @@ memory (docs/architecture.md). Pure layer; runs in any process.
 """
 from __future__ import annotations
 
+import struct
+
 MAGIC = b"RCKPT\x00\x01\x00"
 ALIGN = 64
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+PREFIX = struct.Struct("<8sQI")   #: magic, header length (u64), header checksum (u32): every object's first bytes
 
 
 class CorruptObjectError(ValueError):

@@ -12,13 +12,12 @@ Pure layer: no torch needed; runs in any process.
 from __future__ import annotations
 
 import json
-import struct
 import zlib
 
 from ray_ckpt.format import checksum, safejson
 from ray_ckpt.format.framing import ALIGN, MAGIC, MAX_HEADER_BYTES, CorruptObjectError
+from ray_ckpt.format.framing import PREFIX as _PREFIX
 
-_PREFIX = struct.Struct("<8sQI")
 MAX_SEGMENTS = 1_000_000
 
 
