@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
-.PHONY: venv demo test reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber \
+.PHONY: venv demo test test-fast reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber \
 	bench-coordinator clean
 
 venv: $(STAMP)
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/failure_injection_demo.py
 
+# the whole suite (what CI runs), with the 25 slowest tests listed at the end
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
+
+# the fast tier: everything that needs neither Ray nor a process group of several ranks (< 3 min here)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q --durations=10 -m "not ray and not procs" tests
 
 # the long fault trials (SIGKILLs at 20 seeded points, 20 s outages...) with the table of their outcomes, then
 # the other long tests (Ray Train SIGKILL and driver restart, the second continuation kill, the full-size fuzz)

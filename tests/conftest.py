@@ -40,6 +40,11 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    # the fast tier (`make test-fast`, `-m "not ray and not procs"`) must not start Ray by an omitted marker:
+    # whatever takes the session's Ray cluster is a `ray` test
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()) and "ray" not in item.keywords:
+            item.add_marker(pytest.mark.ray)
     if config.getoption("--run-long"):
         return
     skip = pytest.mark.skip(reason="long test: run with --run-long")

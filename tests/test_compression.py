@@ -317,10 +317,12 @@ def _assert_identical_across_ranks(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("name", ["topk_sampled", "topk_exact", "topk_view", "topk_ef", "int8", "topk_raw",
                                   "int8_raw", "topk_sampled_one_bucket", "topk_sampled_fresh",
                                   "topk_exact_one_bucket", "topk_ef_one_bucket", "int8_one_bucket", "int8_fresh"])
+@pytest.mark.procs
 def test_gradients_bitwise_identical_across_ranks(runs, name):
     _assert_identical_across_ranks(runs[0][name], runs[1][name])
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ["topk_sampled", "topk_exact", "topk_view"])
 def test_topk_bounds_support_and_values(runs, name):
     last = runs[0][name]["steps"][-1]["buckets"]  # after DDP's rebuild: several buckets, all on the sampled path
@@ -333,6 +335,7 @@ def test_topk_bounds_support_and_values(runs, name):
     ("topk_sampled", "topk_sampled_one_bucket"), ("topk_sampled", "topk_sampled_fresh"),
     ("topk_exact", "topk_exact_one_bucket"), ("topk_ef", "topk_ef_one_bucket"),
     ("int8", "int8_one_bucket"), ("int8", "int8_fresh")])
+@pytest.mark.procs
 def test_results_independent_of_bucket_layout(runs, name, other):
     """The same training under two bucket layouts gives bitwise identical gradients (and supports, residuals).
 
@@ -356,6 +359,7 @@ def test_results_independent_of_bucket_layout(runs, name, other):
                 assert (ra is None and rb is None) or torch.equal(ra, rb)
 
 
+@pytest.mark.procs
 def test_raw_hooks_registered_directly(runs):
     """The unwrapped hooks pass DDP's annotation check and give the same gradients as the recorded runs."""
     for r in range(2):
@@ -367,6 +371,7 @@ def test_raw_hooks_registered_directly(runs):
                         assert torch.isin(torch.nonzero(g.view(-1)).squeeze(1), idx).all()
 
 
+@pytest.mark.procs
 def test_topk_error_feedback(runs):
     for r in range(2):
         result = runs[r]["topk_ef"]
@@ -377,6 +382,7 @@ def test_topk_error_feedback(runs):
     assert any(not torch.equal(a, b) for a, b in zip(plain, ef))
 
 
+@pytest.mark.procs
 def test_int8_close_to_true_mean(runs):
     for s in range(STEPS):
         steps = [runs[r]["int8"]["steps"][s] for r in range(2)]
@@ -394,6 +400,7 @@ def test_int8_close_to_true_mean(runs):
         assert all(s["supports"] == [None] * len(s["supports"]) for s in runs[r]["int8"]["steps"])
 
 
+@pytest.mark.procs
 def test_world_size_one(runs):
     assert set(SOLO_SCENARIOS) <= set(runs[0]) and not set(SOLO_SCENARIOS) & set(runs[1])
     for name in ("solo_topk_exact", "solo_topk_sampled"):

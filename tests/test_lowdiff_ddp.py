@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch.multiprocessing as mp
 
 from tests import _ddp_worker, _training as T
@@ -11,6 +12,7 @@ CASES = [("mlp", "adamw", "topk"), ("gpt", "adamw", "topk"), ("gpt", "adamw", "d
          ("mlp", "adamw", "int8"), ("mlp_bn", "sgd", "topk"), ("gpt", "sgd", "int8")]
 
 
+@pytest.mark.procs
 def test_ddp_bit_exact_restore_and_continuation(tmp_path):
     results = tmp_path / "results.json"
     mp.spawn(_ddp_worker.main, args=(2, T.free_port(), str(tmp_path), CASES, str(results)), nprocs=2, join=True)

@@ -22,6 +22,7 @@ def _ls(path, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.procs
 def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
     mp.spawn(W.train_and_restore, args=(2, T.free_port(), uri, out), nprocs=2, join=True)
