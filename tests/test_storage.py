@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ray_ckpt.storage import ObjectNotFound, StorageBackend, StorageError, open_storage, validate_key
-from ray_ckpt.storage.uri import resolve_s3_options
+from ray_ckpt.storage.s3_options import resolve_s3_options
 
 REPO = Path(__file__).resolve().parents[1]
 
