@@ -38,7 +38,7 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict, takeover:
     run = run_name(storage, run)
     coord = get_or_create_coordinator(run, storage, full_every=config.full_every, batch_steps=config.batch_steps,
                                       keep_fulls=config.keep_fulls, max_replica_lag=config.max_replica_lag,
-                                      policy_options=config.policy_options(),  # [policy #14]
+                                      policy_options=config.policy_options(),
                                       takeover=takeover)
     generation, policy = ray.get([coord.new_generation.remote(), coord.get_policy.remote()])
     replica = None
