@@ -261,7 +261,7 @@ class RaySink(BoundedSink):
 
     def attach_capture(self, capture, start_step: int) -> None:
         """Training thread, once: the capture whose step times and step count the sender publishes."""
-        self._metrics._last["ray_ckpt_steps"] = float(start_step)
+        self._metrics.start_at("ray_ckpt_steps", start_step)
         self.capture = capture
 
     def _publish_metrics(self) -> None:
