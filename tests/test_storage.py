@@ -371,6 +371,21 @@ def test_resolve_s3_options_precedence():
                                                                         "region": "r1"}
 
 
+def test_parse_s3_uri_resolves_without_pyarrow_and_shows_no_secret():
+    """URI credentials, query and keyword options resolve in the opening process without pyarrow (the S3 client is
+    built only by the backend); the parsed location's repr and URI hold no secret."""
+    code = ("import sys\n"
+            "from ray_ckpt.storage.s3_options import parse_s3_uri\n"
+            "loc = parse_s3_uri('s3://KEY:SECRET1@b/run%20a/?region=q&session_token=SECRET2', {'region': 'kw'}, {})\n"
+            "assert (loc.bucket, loc.prefix, loc.uri) == ('b', 'run a', 's3://b/run%20a?region=q'), loc\n"
+            "assert loc.options == {'region': 'kw', 'access_key': 'KEY', 'secret_key': 'SECRET1',\n"
+            "                       'session_token': 'SECRET2'}, loc.options\n"
+            "assert 'SECRET' not in repr(loc), repr(loc)\n"
+            "assert 'pyarrow' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.s3
 def test_s3_options_the_writer_cannot_honour_are_refused(s3_uri):
     with pytest.raises(StorageError, match="role_arn.*AWS profile"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from .base import StorageError, validate_key
@@ -122,8 +122,9 @@ class S3Location:
 
     bucket: str
     prefix: str     #: without leading or trailing ``/``; validated as a key
-    options: dict   #: resolved (:func:`resolve_s3_options`), typed, secrets included
     uri: str        #: the root URI, credentials and secret query parameters removed
+    #: resolved (:func:`resolve_s3_options`), typed, secrets included (so never in the repr)
+    options: dict = field(repr=False)
 
 
 def parse_s3_uri(uri: str, options: dict, environ=None) -> S3Location:
@@ -169,4 +170,4 @@ def parse_s3_uri(uri: str, options: dict, environ=None) -> S3Location:
     clean_uri = f"s3://{bucket}" + (f"/{quote(prefix, safe='/')}" if prefix else "")
     if shown_query:
         clean_uri += "?" + urlencode(shown_query, safe=":/")
-    return S3Location(bucket, prefix, resolved, clean_uri)
+    return S3Location(bucket, prefix, clean_uri, resolved)
