@@ -1,10 +1,14 @@
-"""Layers only import downwards (docs/architecture.md): checked on the source's import statements."""
+"""Layers only import downwards and no modules import each other in a circle (docs/architecture.md): checked on the
+source's import statements."""
 from __future__ import annotations
 
 import ast
 import os
 import subprocess
 import sys
+import textwrap
+
+import pytest
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ray_ckpt")
 
@@ -96,3 +100,202 @@ def test_the_persistence_actors_and_the_package_import_without_torch():
                "assert ray_ckpt.CorruptObjectError is c.CorruptObjectError\n"
                "assert ray_ckpt.train.RayCkptCallback\n"
                "try:\n    ray_ckpt.nothing_here\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit(1)\n")
+
+
+# ---- import circles ------------------------------------------------------------------------------------------------
+# Every import statement counts: at module level, inside a function (an import moved into a function to dodge a
+# cycle still makes the two modules depend on each other, and fails the same way once the call runs during an
+# import) and under ``if TYPE_CHECKING`` (it runs for the type checker, which then needs both modules; a circle there
+# is the same design circle). Not counted: ``importlib.import_module`` on a computed name (a lazy table of
+# "module:attr" strings, such as ray_ckpt/__init__.py's public names), which is no import statement.
+
+#: Circles allowed to stay, as {frozenset of their modules: why}. Only a lazy plugin table belongs here: a registry
+#: whose modules are imported on first lookup *by an import statement*. Empty: the lazy tables of ray_ckpt name their
+#: modules as strings.
+ALLOWED_CIRCLES: dict[frozenset, str] = {}
+
+
+def _modules(root: str, package: str) -> dict[str, str]:
+    """Dotted module name -> source path, for every ``.py`` file under ``root`` (the directory of ``package``)."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f[:-3]), root).split(os.sep)
+                parts = [package] + rel
+                if parts[-1] == "__init__":
+                    parts.pop()
+                out[".".join(parts)] = os.path.join(d, f)
+    return out
+
+
+class _ImportVisitor(ast.NodeVisitor):
+    """Collects ``(node, where)`` for every import statement; ``where`` says if it sits inside a function or under
+    ``if TYPE_CHECKING``."""
+
+    def __init__(self):
+        self.found: list = []
+        self._where: list[str] = []
+
+    def _scoped(self, node, label):
+        self._where.append(label)
+        self.generic_visit(node)
+        self._where.pop()
+
+    def visit_FunctionDef(self, node):
+        self._scoped(node, "inside a function")
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_If(self, node):
+        t = node.test
+        if (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+                isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"):
+            self._where.append("if TYPE_CHECKING")
+            for child in node.body:
+                self.visit(child)
+            self._where.pop()
+            for child in node.orelse:
+                self.visit(child)
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node):
+        self.found.append((node, ", ".join(dict.fromkeys(self._where))))
+
+    visit_ImportFrom = visit_Import
+
+
+def import_graph(root: str, package: str) -> tuple[dict, dict]:
+    """``(modules, edges)``: ``edges[a][b]`` lists ``(path, line, statement, where)`` of each import by which module
+    ``a`` needs module ``b`` of the package. Importing ``x.y.z`` needs ``x.y.z`` and the packages ``x`` and ``x.y``
+    (their ``__init__`` runs first), except the importer's own enclosing packages: Python runs those before the
+    importer, so ``from pkg import sub`` inside ``pkg`` needs only the submodule; ``from pkg import name`` of a name
+    that is no submodule needs ``pkg/__init__.py`` itself."""
+    modules = _modules(root, package)
+    edges: dict = {m: {} for m in modules}
+
+    def known(name):  # the deepest module of the package that ``name`` lies in (None: outside the package)
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for mod, path in modules.items():
+        source = open(path, encoding="utf-8").read()
+        enclosing = {".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)}
+        here = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        visitor = _ImportVisitor()
+        visitor.visit(ast.parse(source, path))
+        for node, where in visitor.found:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+                own = None
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                subs = [f"{base}.{a.name}" for a in node.names]
+                names = [s for s in subs if s in modules]
+                own = known(base) if len(names) < len(subs) else None  # base's own names: its module runs first
+            needs = {own} - {None, mod}
+            for name in names:
+                target = known(name)
+                while target:   # the module and the packages it lies in, less those enclosing the importer
+                    if target != mod and target not in enclosing:
+                        needs.add(target)
+                    target = known(target.rpartition(".")[0])
+            text = " ".join(ast.get_source_segment(source, node).split())
+            for target in needs:
+                edges[mod].setdefault(target, []).append((path, node.lineno, text, where))
+    return modules, edges
+
+
+def find_circles(root: str, package: str) -> list[tuple[list[str], list[str]]]:
+    """The import circles of ``package`` (its source under ``root``): for each strongly connected component of the
+    module import graph with more than one module, ``(sorted modules, the import lines between them)``."""
+    _, edges = import_graph(root, package)
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    on_stack: set = set()
+    components: list = []
+
+    def visit(v):  # Tarjan's algorithm (the graph is a few hundred modules: recursion is fine)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    out = []
+    for comp in sorted(components):
+        members = set(comp)
+        found = sorted((os.path.relpath(path, os.path.dirname(root)), line, text, b, where)
+                       for a in comp for b in edges[a] if b in members for path, line, text, where in edges[a][b])
+        lines = [f"{path}:{line}: {text}  -> {b}" + (f"  ({where})" if where else "")
+                 for path, line, text, b, where in found]
+        out.append((comp, lines))
+    return out
+
+
+def circle_report(circles) -> str:
+    """Each circle's modules, then the import lines that close it (``path:line: statement  -> module``)."""
+    return "\n".join(f"import circle of {len(mods)} modules: {', '.join(mods)}\n"
+                     + textwrap.indent("\n".join(lines), "  ") for mods, lines in circles)
+
+
+def test_no_import_circles():
+    circles = [(mods, lines) for mods, lines in find_circles(PKG, "ray_ckpt")
+               if frozenset(mods) not in ALLOWED_CIRCLES]
+    if circles:
+        pytest.fail("imports between these modules form a circle (cut a lower module they both import):\n"
+                    + circle_report(circles), pytrace=False)
+
+
+def test_the_circle_check_reports_each_circle_and_its_import_lines(tmp_path):
+    """A tiny package with a circle closed by an import inside a function, one closed under TYPE_CHECKING, and
+    imports that close none (a module that needs a circle, a submodule importing its sibling through its package)."""
+    files = {
+        "__init__.py": "",
+        "a.py": "from pkg import b\n",
+        "b.py": "import os\n\n\ndef f():\n    from pkg.a import (\n        thing,\n    )\n",
+        "c.py": "import pkg.a\n",                                  # needs the circle, is not part of it
+        "t1.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.t2 import T\n",
+        "t2.py": "from . import t1\n",
+        "sub/__init__.py": "from .d import D\n",
+        "sub/d.py": "from pkg.sub import e\nD = 1\n",                # a submodule of its own package: no circle
+        "sub/e.py": "import pkg.c\n",
+    }
+    root = tmp_path / "pkg"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    circles = find_circles(str(root), "pkg")
+    assert [mods for mods, _ in circles] == [["pkg.a", "pkg.b"], ["pkg.t1", "pkg.t2"]]
+    report = circle_report(circles)
+    assert "pkg/a.py:1: from pkg import b  -> pkg.b" in report
+    assert "pkg/b.py:5: from pkg.a import ( thing, )  -> pkg.a  (inside a function)" in report
+    assert "pkg/t1.py:3: from pkg.t2 import T  -> pkg.t2  (if TYPE_CHECKING)" in report
+    assert "pkg/t2.py:1: from . import t1  -> pkg.t1" in report
+    # a name of the enclosing package's own __init__ (not a submodule) is a real dependency on it
+    (root / "sub" / "d.py").write_text("from pkg.sub import D as _D\nD = 1\n")
+    circles = find_circles(str(root), "pkg")
+    assert ["pkg.sub", "pkg.sub.d"] in [mods for mods, _ in circles]

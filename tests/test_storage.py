@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ray_ckpt.storage import ObjectNotFound, StorageBackend, StorageError, open_storage, validate_key
-from ray_ckpt.storage.uri import resolve_s3_options
+from ray_ckpt.storage.s3_options import resolve_s3_options
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -369,6 +369,21 @@ def test_resolve_s3_options_precedence():
     assert resolve_s3_options({}, {}, {"AWS_ENDPOINT_URL": "host:3", "AWS_REGION": "r1",
                                        "AWS_DEFAULT_REGION": "r2"}) == {"endpoint_override": "host:3",
                                                                         "region": "r1"}
+
+
+def test_parse_s3_uri_resolves_without_pyarrow_and_shows_no_secret():
+    """URI credentials, query and keyword options resolve in the opening process without pyarrow (the S3 client is
+    built only by the backend); the parsed location's repr and URI hold no secret."""
+    code = ("import sys\n"
+            "from ray_ckpt.storage.s3_options import parse_s3_uri\n"
+            "loc = parse_s3_uri('s3://KEY:SECRET1@b/run%20a/?region=q&session_token=SECRET2', {'region': 'kw'}, {})\n"
+            "assert (loc.bucket, loc.prefix, loc.uri) == ('b', 'run a', 's3://b/run%20a?region=q'), loc\n"
+            "assert loc.options == {'region': 'kw', 'access_key': 'KEY', 'secret_key': 'SECRET1',\n"
+            "                       'session_token': 'SECRET2'}, loc.options\n"
+            "assert 'SECRET' not in repr(loc), repr(loc)\n"
+            "assert 'pyarrow' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.s3

@@ -49,7 +49,7 @@ from ray_ckpt.format import container
 from ray_ckpt.format.tree import TreeError, decode_tree, encode_tree
 
 BLOCK = 1 << 18            #: elements per block of the selection test (temporaries of ~1 MB stay in cache:
-                           #: 1.3x faster than blocks of 4M elements on the 2-core EPYC, issue #17)
+                           #: 1.3x faster than blocks of 4M elements on the 2-core EPYC)
 DEVICE_BLOCK = 1 << 22     #: ... on a GPU (fewer kernel launches; temporaries of ~50 MB in device memory)
 PROBE = 1 << 16            #: bytes of an XOR byte plane compressed to decide whether it compresses at all
 PROBE_GAIN = 0.9           #: a plane is compressed only when its probe shrinks below this fraction: a plane
@@ -259,7 +259,7 @@ def encode_selected(slot_id: tuple, x: torch.Tensor, mask: torch.Tensor, k: int,
         d.parts = {"i": idx.to(torch.int32) if n < 2**31 else idx, "v": vals}
         return d, idx, vals
     if enc == "mask":
-        # indices + index_select: several times faster than masked_select on the host (issue #17), and the
+        # indices + index_select: several times faster than masked_select on the host, and the
         # indices serve the caller's update of its saved values (index_copy_ instead of a masked scatter)
         idx = flat_indices(mask)
         vals = xf.index_select(0, idx)

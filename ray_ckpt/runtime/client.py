@@ -4,20 +4,18 @@ Both run in the process that trains (a Ray Train worker, or any process connecte
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import ray
-import torch
 
-from ray_ckpt.engine.restore import LoadedChain, load_chain, load_lineage, read_object
-from ray_ckpt.engine.strategy import decode_object, impl_by_name
-from ray_ckpt.format import records as rec_fmt
-from ray_ckpt.lineage import Manifest, NoCheckpointError, Plan
+from ray_ckpt.engine.restore import LoadedChain, load_lineage
+from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator
+from ray_ckpt.runtime.plan_reader import load_plan
+from ray_ckpt.runtime.replica import get_or_create_replica
 from ray_ckpt.runtime.sink import RaySink
-from ray_ckpt.runtime.worker import join
+from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE, object_store_capacity
 
 log = logging.getLogger("ray_ckpt")
 
@@ -40,7 +38,7 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict, takeover:
     run = run_name(storage, run)
     coord = get_or_create_coordinator(run, storage, full_every=config.full_every, batch_steps=config.batch_steps,
                                       keep_fulls=config.keep_fulls, max_replica_lag=config.max_replica_lag,
-                                      policy_options=config.policy_options(),  # [policy #14]
+                                      policy_options=config.policy_options(),
                                       takeover=takeover)
     generation, policy = ray.get([coord.new_generation.remote(), coord.get_policy.remote()])
     replica = None
@@ -57,7 +55,6 @@ def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts
     2-core cluster right after nodes joined or left); a replica there dies with the trainer's node, so a replica
     this call has just created (it holds no state yet) is re-placed, up to ``attempts`` times, before a WARNING
     says where it stayed. An existing replica is never moved: it may hold the live state."""
-    from ray_ckpt.runtime.replica import get_or_create_replica
     me = ray.get_runtime_context().get_node_id()
     for attempt in range(attempts):
         target = _replica_node()
@@ -102,7 +99,6 @@ def node_share(budget: int, ranks_on_node: int) -> int:
     (sharded FSDP2 state with runtime='ray'): ``budget`` capped to the share a worker may fill
     (:data:`~ray_ckpt.runtime.worker.OBJECT_STORE_SHARE`), divided among the ranks; at least 64 MiB. Training
     process, connected to Ray."""
-    from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE, object_store_capacity
     _require_ray()
     capacity = object_store_capacity(ray.get_runtime_context().get_node_id())
     if capacity:
@@ -160,62 +156,6 @@ def load_via_coordinator(storage, step: int | None, *, run: str | None = None,
             log.info("ray_ckpt: replica unavailable (%s); restoring from the chain", e)
             snap = None
     return load_plan(storage, plan, timeout=timeout, snapshot=snap)
-
-
-def load_plan(storage, plan: dict, *, timeout: float = 60.0, snapshot: dict | None = None
-              ) -> tuple[LoadedChain, dict]:
-    """Load a coordinator plan: each object from a live holder's object store when one has it, else from
-    storage. With ``snapshot`` (a replica's state at a step the plan reaches), start from it and read only the
-    records after it. Returns ``(chain, tiers)``; ``tiers["replayed"]`` is the number of records to replay.
-    Any process connected to Ray."""
-    manifests = [Manifest.from_json(o["manifest"]) for o in plan["objects"]]
-    refs = {m.name: o["refs"] for m, o in zip(manifests, plan["objects"])}
-    tiers = {"memory": 0, "durable": 0, "replica": 0}
-
-    def reader(m: Manifest):
-        for ref in refs.get(m.name, []):
-            try:
-                data = join(ray.get(ref, timeout=timeout))
-                tiers["memory"] += 1
-                return memoryview(data).cast("B")
-            except Exception as e:  # noqa: BLE001 - the holder died: try the next one, then storage
-                log.info("ray_ckpt: memory copy of %s unavailable (%s)", m.name, e)
-        tiers["durable"] += 1
-        return storage.read(m.object)
-
-    p = Plan(step=plan["step"], generation=plan["generation"], full=manifests[0], diffs=tuple(manifests[1:]))
-    if snapshot is not None and p.full.last_step <= snapshot["step"] <= p.step:
-        data = ray.get(snapshot["ref"], timeout=timeout)
-        # one copy of each tensor: the model's are read-only views of the object store (load_state_dict copies
-        # them into the parameters); the optimizer and loop state, which the optimizer keeps, are cloned
-        full = rec_fmt.decode_full(data, "<replica snapshot>", verify=False, copy=False)
-        full = dataclasses.replace(full, optimizer=_owned(full.optimizer), loop=_owned(full.loop))
-        later = tuple(m for m in p.diffs if m.last_step > full.step)
-        records = []
-        for m in later:
-            batch = decode_object(impl_by_name(m.strategy), read_object(storage, m, reader), m.object)
-            records.extend(r for r in batch if full.step < r.step <= p.step
-                           and (not records or r.step > records[-1].step))
-        if (records[-1].step if records else full.step) == p.step:
-            tiers["replica"] = 1
-            tiers["replayed"] = len(records)
-            synthetic = Plan(step=p.step, generation=p.generation, full=p.full, diffs=later)
-            return LoadedChain(synthetic, full, records), tiers
-        log.warning("ray_ckpt: the replica's records do not reach step %d; restoring from the chain", p.step)
-    chain = load_chain(storage, p, reader)
-    tiers["replayed"] = len(chain.records)
-    return chain, tiers
-
-
-def _owned(tree):
-    """``tree`` with every tensor cloned (writable memory of this process), structure kept."""
-    if isinstance(tree, torch.Tensor):
-        return tree.clone()
-    if isinstance(tree, dict):
-        return {k: _owned(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_owned(v) for v in tree)
-    return tree
 
 
 def record_restore(storage, run: str | None, seconds: float) -> None:

@@ -37,8 +37,8 @@ from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, gc_cutoff, range_difference
 from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.policy import FixedFrequencyPolicy
-from ray_ckpt.policy import adaptive as _adaptive  # [policy #14]
-from ray_ckpt.lineage import index as _lineage_index  # [lineage index #14]
+from ray_ckpt.policy import adaptive as _adaptive
+from ray_ckpt.lineage import index as _lineage_index
 from ray_ckpt.engine.lease import Lease, LeaseLost
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
@@ -107,7 +107,7 @@ class Coordinator:
         self._changes = 0            # reports and failures seen (publish_metrics computes only after changes)
         self._published_changes = -1
         threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
-        # [policy #14] the adaptive policy: fed by commits and failures; pinned values never change
+        # the adaptive policy: fed by commits and failures; pinned values never change
         self.tuner = _adaptive.make_tuner(full_every, batch_steps, started_at=self.started_at,
                                           **(policy_options or {}))
         self._rebuild()
@@ -304,8 +304,8 @@ class Coordinator:
                 log.info("ray_ckpt coordinator: garbage-collected %d objects older than the %d newest fulls",
                          len(deleted), self.keep_fulls)
         now = time.monotonic()
-        # [lineage index #14] roll the durable manifests up at a full (after GC: no stale names; not at every
-        # full of a long run, see RewriteClock)
+        # the lineage index: roll the durable manifests up at a full (after GC: no stale names; not at every full
+        # of a long run, see RewriteClock)
         if m.kind == "full" and self._index_clock.due(now, force=bool(deleted)):
             cpu0 = time.thread_time()
             try:
@@ -316,10 +316,10 @@ class Coordinator:
             except Exception as e:  # noqa: BLE001 - a cache: readers fall back to listing
                 log.warning("ray_ckpt coordinator: could not write the lineage index: %s", e)
             self._index_clock.done(now, time.thread_time() - cpu0)
-        _adaptive.observe_manifest_commit(self.tuner, kind=m.kind, first_step=m.first_step,  # [policy #14]
+        _adaptive.observe_manifest_commit(self.tuner, kind=m.kind, first_step=m.first_step,
                                           last_step=m.last_step, nbytes=m.nbytes, created=m.created,
                                           now=time.time())
-        self._decide()  # [policy #14]
+        self._decide()   # the policy re-optimizes when due
 
     def _collected_already(self, m: Manifest) -> bool:
         """A diff committed after GC dropped its steps (its write was in flight when GC ran, so GC could not
@@ -484,11 +484,11 @@ class Coordinator:
         return self.storage.describe()
 
     def get_policy(self) -> FixedFrequencyPolicy:
-        """The frequency policy for a (re)attaching Checkpointer: the adaptive choice in force [policy #14]."""
+        """The frequency policy for a (re)attaching Checkpointer: the adaptive policy's choice in force."""
         return FixedFrequencyPolicy(*self.tuner.current())
 
     def _decide(self, publish: bool = False) -> None:
-        """[policy #14] Re-optimize when due; publish the report to storage when the decision changed (or
+        """The adaptive policy: re-optimize when due; publish the report to storage when the decision changed (or
         ``publish``: a failure was recorded)."""
         before = len(self.tuner.history)
         now = time.time()
@@ -499,15 +499,15 @@ class Coordinator:
             _adaptive.publish_report(self.storage, self.tuner.report(now))
 
     def policy_report(self) -> dict:
-        """[policy #14] What the adaptive policy decides, from which estimates, and why."""
+        """What the adaptive policy decides, from which estimates, and why."""
         self._decide()
         return self.tuner.report(time.time())
 
     def record_failure(self, info: dict) -> None:
         """A worker-group failure (from the Ray Train callback): input for adaptive policies."""
         self.failures.append({"time": time.time(), **info})
-        self.tuner.observe_failure(self.failures[-1]["time"])  # [policy #14]
-        self._decide(publish=True)  # [policy #14]
+        self.tuner.observe_failure(self.failures[-1]["time"])
+        self._decide(publish=True)
         self._changes += 1
 
     def record_event(self, info: dict) -> None:

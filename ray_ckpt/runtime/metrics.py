@@ -124,6 +124,11 @@ class CounterDeltas:
         self.tags = tags
         self._last: dict[str, float] = {}
 
+    def start_at(self, name: str, total: float) -> None:
+        """Count ``name`` from ``total`` on: the next :meth:`publish` adds only what grew past it (a resumed run's
+        step count is not new work)."""
+        self._last[name] = float(total)
+
     def publish(self, totals: dict) -> None:
         for name, total in totals.items():
             prev = self._last.get(name, 0.0)

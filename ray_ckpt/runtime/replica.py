@@ -38,7 +38,8 @@ from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
 from ray_ckpt.lineage import Manifest, full_name, object_key
 from ray_ckpt.runtime import naming
-from ray_ckpt.runtime.worker import as_buffers, join
+from ray_ckpt.runtime.buffers import as_buffers, join
+from ray_ckpt.runtime.plan_reader import load_plan
 
 log = logging.getLogger("ray_ckpt")
 
@@ -309,7 +310,6 @@ class ReplicaActor:
 
     def _rebuild_from_lineage(self) -> None:
         """Newest full + held/durable diffs of the run's latest recoverable step (off the training thread)."""
-        from ray_ckpt.runtime.client import load_plan
         plan = ray.get(self._coord().plan.remote(None), timeout=60)
         if "error" in plan:
             with self._cv:

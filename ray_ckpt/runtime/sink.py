@@ -57,7 +57,7 @@ _POLL_S = 0.25          # how often an idle sender asks the worker which chunks 
 _CONTROL_S = 0.5        # how often the sender asks the coordinator for full-checkpoint control
 #: hand-offs whose answer the sender has not waited for yet: it encodes the next chunk while the worker copies the
 #: last one into the object store (on a busy machine that copy waits for a core, and a sender blocked on it filled
-#: its queue and stalled the training thread: issue #11)
+#: its queue and stalled the training thread)
 _MAX_INFLIGHT = 2
 _REAP_S = 0.05          # how soon an idle sender collects the answers of hand-offs in flight
 
@@ -261,7 +261,7 @@ class RaySink(BoundedSink):
 
     def attach_capture(self, capture, start_step: int) -> None:
         """Training thread, once: the capture whose step times and step count the sender publishes."""
-        self._metrics._last["ray_ckpt_steps"] = float(start_step)
+        self._metrics.start_at("ray_ckpt_steps", start_step)
         self.capture = capture
 
     def _publish_metrics(self) -> None:

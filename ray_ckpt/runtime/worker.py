@@ -42,7 +42,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import numpy as np
 import ray
 
 from ray_ckpt.engine.lineage_io import unhide
@@ -51,6 +50,7 @@ from ray_ckpt.lineage import Manifest, diff_name, object_key
 from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.buffers import as_buffers
 from ray_ckpt.storage.retry import RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
@@ -74,19 +74,6 @@ class _Held:
     origin: str = ""              #: the node whose worker received it from a training process
     peer: str | None = None       #: origin copies: the node holding our replica (once acknowledged)
     received: float = field(default_factory=time.monotonic)
-
-
-def as_buffers(value) -> list:
-    """The buffers of a held object as ``ray.get`` returns them (a list of arrays, or one array)."""
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def join(value):
-    """One contiguous buffer of a held object (a copy only when it has several parts)."""
-    parts = as_buffers(value)
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate([np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in parts])
 
 
 #: the share of its node's object store a worker may fill with held chunks (the rest: chunks in flight, replicas

@@ -18,7 +18,7 @@ ETag and Last-Modified with a second HEAD: 3 requests per read (see ``S3Backend.
 Runs in any process; thread-safe (``S3FileSystem`` and s3fs are thread-safe; no other shared state).
 
 Credentials never travel in a pickle. A pickled backend carries its non-secret options; its secrets
-(:data:`~ray_ckpt.storage.uri.SECRET_OPTIONS` present in the resolved options) are handed to a *secret channel*
+(:data:`~ray_ckpt.storage.s3_options.SECRET_OPTIONS` present in the resolved options) are handed to a *secret channel*
 registered by a higher layer (the Ray runtime registers one: the secrets go into the Ray object store, owned by
 the pickling process, and the pickle holds only the unguessable ObjectRef; see
 :mod:`ray_ckpt.runtime.secrets`). Without a channel, pickling a backend that holds secrets raises
@@ -39,7 +39,7 @@ from urllib.parse import quote, urlencode
 import pyarrow.fs as pafs
 
 from .base import TMP_PREFIX, Data, ObjectNotFound, StorageError, as_buffers, validate_key, validate_prefix
-from .uri import SECRET_OPTIONS, _env_options
+from .s3_options import SECRET_OPTIONS, env_options
 
 #: Options shown by ``describe()`` (enough to reopen the same endpoint, given credentials).
 _DESCRIBED_OPTIONS = ("endpoint_override", "scheme", "region")
@@ -106,7 +106,7 @@ def _rebuild(bucket: str, prefix: str, public: dict, uri: str, sealed) -> "S3Bac
     if sealed is not None:
         secrets = sealed.open()
         if secrets is None:
-            env = {k: v for k, v in _env_options().items() if k in SECRET_OPTIONS}
+            env = {k: v for k, v in env_options().items() if k in SECRET_OPTIONS}
             log.warning("ray_ckpt: the S3 credentials for %s were sealed by a process that has exited; using "
                         "this process's %s", uri, "AWS_* environment" if env else
                         "default AWS credential chain (profile, instance role)")
