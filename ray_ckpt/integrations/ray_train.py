@@ -38,7 +38,10 @@ from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray_ckpt import storage as _storage
 from ray_ckpt.storage.uri import SECRET_OPTIONS
 from ray_ckpt.config import CheckpointConfig
-from ray_ckpt.api import Checkpointer, _check_params, _unwrap, read_pointer, restore, write_pointer
+from ray_ckpt.api import Checkpointer, restore
+from ray_ckpt.engine.targets import check_params, unwrap
+from ray_ckpt.lineage.layout import RUN_MARKER
+from ray_ckpt.lineage.pointer import read_pointer, write_pointer
 from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
@@ -131,9 +134,6 @@ class RayCkptCallback(ControllerCallback):
             return ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
         except (ValueError, TypeError):
             return None
-
-
-RUN_MARKER = "run.json"
 
 
 def default_location(run_config) -> str:
@@ -336,7 +336,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     coord = get_or_create_coordinator(run, storage, full_every=config.full_every,
                                       batch_steps=config.batch_steps)
     policy = ray.get(coord.get_policy.remote())
-    sharded = _check_params(optimizer) is not None
+    sharded = check_params(optimizer) is not None
     t0 = time.perf_counter()
     if sharded:
         start, restored = sharded_agreed_restore(storage, model, optimizer, scheduler=scheduler,
@@ -548,7 +548,7 @@ def _record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state
     dist.broadcast_object_list(gen, src=0)
     if rank == 0:
         return None
-    return RankLoopRecorder(storage, rank, _unwrap(model), optimizer, main_generation=gen[0],
+    return RankLoopRecorder(storage, rank, unwrap(model), optimizer, main_generation=gen[0],
                             start_step=start, extra_state=extra_state, full_every=full_every,
                             batch_steps=batch_steps)
 
