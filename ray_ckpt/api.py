@@ -19,9 +19,12 @@ from ray_ckpt.engine.capture import ATTACHED_ATTR, RESTORED_STEP_ATTR
 from ray_ckpt.engine.lease import Lease
 from ray_ckpt.engine.restore import apply_chain, check_not_attached, load_lineage, resolve_and_load
 from ray_ckpt.engine.strategy import impl_for
+from ray_ckpt.engine.targets import check_params as _check_params, unwrap as _unwrap
 from ray_ckpt.engine.writer import AsyncWriter
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.lineage import ManifestError
+from ray_ckpt.lineage.layout import POINTER_FILE
+from ray_ckpt.lineage.pointer import read_pointer
 from ray_ckpt.storage.base import ObjectNotFound
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy.adaptive import AdaptivePolicy, make_tuner, publish_report
@@ -393,28 +396,6 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     return out
 
 
-POINTER_FILE = "ray_ckpt_pointer.json"
-
-
-def read_pointer(checkpoint) -> dict | None:
-    """The pointer (``{"storage_uri", "run", "step"}``) in a checkpoint reported by
-    :func:`ray_ckpt.train.attach` (anything with ``as_directory()``); None when it holds no pointer file."""
-    import json
-    with checkpoint.as_directory() as d:
-        path = os.path.join(d, POINTER_FILE)
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
-
-
-def write_pointer(directory: str, pointer: dict) -> None:
-    """Write the pointer file into ``directory`` (a checkpoint directory about to be reported)."""
-    import json
-    with open(os.path.join(directory, POINTER_FILE), "w") as f:
-        json.dump(pointer, f)
-
-
 def _from_pointer(uri, step: int | None) -> tuple[Any, int | None]:
     """``(uri, step)`` named by a pointer checkpoint (anything with ``as_directory()`` holding
     :data:`POINTER_FILE`); other ``uri`` values pass through."""
@@ -456,37 +437,11 @@ def load_export(path: str | os.PathLike) -> dict:
     return _load(path)
 
 
-def _check_params(optimizer: torch.optim.Optimizer) -> "_sharded.ShardSpec | None":
-    """The sharding of the optimizer's parameters (FSDP2 DTensor shards), None for plain tensors (replicated
-    state, as with DDP); refuses, at attach/restore, other tensor subclasses and unsupported sharding, which
-    would fail later in a background thread with a less clear error. Training process."""
-    spec = _sharded.spec_of(optimizer)
-    if spec is not None:
-        return spec
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            kind = type(p.data)
-            if kind is not torch.Tensor:
-                raise NotImplementedError(f"ray_ckpt checkpoints parameters that are plain torch.Tensors or "
-                                          f"FSDP2 DTensor shards; this optimizer holds a "
-                                          f"{kind.__module__}.{kind.__name__}")
-    return None
-
-
 def _check_sharded_support(impl) -> None:
     """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards)."""
     if impl.name != "lowdiff":
         raise NotImplementedError(f"sharded (FSDP2) state is checkpointed with LowDiff; {impl.name!r} is not "
                                   f"supported for it yet")
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose state is checkpointed: DistributedDataParallel is unwrapped (its ``module``)."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.module
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return model
 
 
 def open_uri(uri, storage_options: dict | None = None):

@@ -1,7 +1,10 @@
 """Ray Train integration (public): ``attach`` inside ``train_loop_per_worker``, ``RayCkptCallback`` in
-``RunConfig(callbacks=[...])``. See :mod:`ray_ckpt.integrations.ray_train` for the hooks used."""
-from ray_ckpt.integrations.ray_train import (RayCkptCallback, RestoreError, TrainSession, agreed_restore, attach,
-                                             flush_run, read_pointer)
+``RunConfig(callbacks=[...])``. See :mod:`ray_ckpt.integrations.train_callback` for the hooks used,
+:mod:`ray_ckpt.integrations.train_session` for the worker side and :mod:`ray_ckpt.integrations.agreement` for
+how the ranks agree on the step they restore."""
+from ray_ckpt.integrations.agreement import RestoreError, agreed_restore
+from ray_ckpt.integrations.train_callback import RayCkptCallback, flush_run
+from ray_ckpt.integrations.train_session import TrainSession, attach, read_pointer
 
 __all__ = ["RayCkptCallback", "RestoreError", "TrainSession", "agreed_restore", "attach", "flush_run",
            "read_pointer"]

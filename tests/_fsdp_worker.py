@@ -181,7 +181,7 @@ def reference(rank, world, port, out, steps):
 def corrupt_shard_agreement(rank, world, port, uri, out, expect):
     """Rank 1's newest diff object is corrupt: each rank restores with fallback, rank 1 falls back further, and
     the agreement brings both ranks to the step rank 1 reached (bitwise)."""
-    from ray_ckpt.integrations.ray_train import sharded_agreed_restore
+    from ray_ckpt.integrations.agreement import sharded_agreed_restore
     _init(rank, world, port)
     try:
         local = torch.load(os.path.join(out, f"local-{rank}.pt"), weights_only=False)

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 import ray_ckpt
 from ray_ckpt.api import open_uri
-from ray_ckpt.integrations.ray_train import agreed_restore
+from ray_ckpt.integrations.agreement import agreed_restore
 from tests import _training as T
 
 
@@ -96,7 +96,7 @@ def _group_worker(rank, world, port, uri, out, start_fresh, until, abandon_rank1
     Checkpointer, rank 1 its loop recorder), train to ``until``; write each rank's final state and RNG."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from ray_ckpt.integrations.ray_train import _record_rank_loop
+    from ray_ckpt.integrations.train_session import record_rank_loop as _record_rank_loop
     T.init_dist(rank, world, port)
     res = {}
     try:

@@ -101,7 +101,7 @@ def test_shard_runs_are_found_by_their_actor_names():
 
 
 def test_attach_refuses_an_unknown_sharded_runtime_before_creating_anything():
-    from ray_ckpt.integrations.ray_train import attach
+    from ray_ckpt.integrations.train_session import attach
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="sharded_runtime must be 'ray' or 'local'"):

@@ -17,7 +17,7 @@ shard dimension) in its layout.
 step that each shard lineage of one world size restores exactly, never mixing steps across ranks. With
 ``fallback=True`` a step whose objects this rank cannot read (missing, corrupt) is skipped for the next older
 complete step; ranks that fell back differently are brought to one step by
-:func:`ray_ckpt.integrations.ray_train.sharded_agreed_restore` (a restore at the smallest step they reached).
+:func:`ray_ckpt.integrations.agreement.sharded_agreed_restore` (a restore at the smallest step they reached).
 
 **Restore** (:func:`restore_sharded`, each rank of the new world, no collectives): the shard chains are replayed
 on plain tensors of the training device with the same replay code as every restore

@@ -463,6 +463,53 @@ class ResidualState:
             self.extra.load_state_dict(sd["extra"])
 
 
+def _select_local(state: TopKState, flat: torch.Tensor, layout, ks: list[int], rank: int,
+                  mag_scratch: torch.Tensor | None, mask_scratch: torch.Tensor | None
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This rank's top-``k_p`` of each parameter's ``|gradient (+ residual)|`` in the bucket's ``flat`` buffer:
+    ``(indices into flat, values)`` per parameter with ``k_p > 0``; with error feedback, the residual keeps what
+    was not sent. Autograd thread (inside :func:`topk_hook`)."""
+    local_indices, local_values = [], []
+    for (param, offset, numel, _), k in zip(layout, ks):
+        if k == 0:
+            continue
+        grad = flat[offset : offset + numel]
+        if state.error_feedback:
+            residual = state._residual_for(param, grad)
+            acc = residual.add_(grad)  # residual now holds gradient + old residual
+        else:
+            residual, acc = None, grad
+        chosen = select_topk(
+            acc, k, sampled=state.sampled, sample_size=_param_sample_size(numel, state.sample_size),
+            seed=state.seed + rank,
+            out=None if mag_scratch is None else mag_scratch[offset : offset + numel],
+            mask_out=None if mask_scratch is None else mask_scratch[offset : offset + numel])
+        local_values.append(acc.index_select(0, chosen))
+        if residual is not None:
+            residual.index_fill_(0, chosen, 0)  # what was sent is no longer owed
+        local_indices.append(chosen.add_(offset))
+    return local_indices, local_values
+
+
+def _pack(local_indices: list[torch.Tensor], local_values: list[torch.Tensor], kp: int, index_dtype: torch.dtype,
+          flat: torch.Tensor) -> torch.Tensor:
+    """This rank's all_gather payload: ``[values (kp) | indices (kp)]`` as bytes, padded with (index
+    ``flat.numel()``, value 0): the padding index lies in no parameter. Autograd thread."""
+    n = flat.numel()
+    value_bytes = kp * flat.element_size()
+    payload = torch.empty(value_bytes + kp * (4 if index_dtype == torch.int32 else 8), dtype=torch.uint8,
+                          device=flat.device)
+    payload_values = payload[:value_bytes].view(flat.dtype)
+    payload_indices = payload[value_bytes:].view(index_dtype)
+    m = sum(chosen.numel() for chosen in local_indices)
+    if m:
+        torch.cat(local_values, out=payload_values[:m])
+        payload_indices[:m].copy_(torch.cat(local_indices))
+    payload_values[m:] = 0
+    payload_indices[m:] = n
+    return payload
+
+
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: layer-wise top-k sparsified, deterministic mean of the bucket.
 
@@ -495,40 +542,11 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         mask_scratch = state._scratch.get("mask", index, key, n, torch.bool, device)
 
     sampled, sample_size = state.sampled, state.sample_size
-    local_indices, local_values = [], []
-    for (param, offset, numel, _), k in zip(layout, ks):
-        if k == 0:
-            continue
-        grad = flat[offset : offset + numel]
-        if state.error_feedback:
-            residual = state._residual_for(param, grad)
-            acc = residual.add_(grad)  # residual now holds gradient + old residual
-        else:
-            residual, acc = None, grad
-        chosen = select_topk(
-            acc, k, sampled=sampled, sample_size=_param_sample_size(numel, sample_size), seed=state.seed + rank,
-            out=None if mag_scratch is None else mag_scratch[offset : offset + numel],
-            mask_out=None if mask_scratch is None else mask_scratch[offset : offset + numel])
-        local_values.append(acc.index_select(0, chosen))
-        if residual is not None:
-            residual.index_fill_(0, chosen, 0)  # what was sent is no longer owed
-        local_indices.append(chosen.add_(offset))
-
-    # one payload per rank: [values (kp) | indices (kp)] as bytes, padded with (index n, value 0): the padding
-    # index lies in no parameter
+    local_indices, local_values = _select_local(state, flat, layout, ks, rank, mag_scratch, mask_scratch)
     kp = _round_up(max(1, sum(ks)), 8)  # keeps both byte views aligned
     index_dtype = torch.int32 if n < 2**31 - 1 else torch.int64
     value_bytes = kp * flat.element_size()
-    payload = torch.empty(value_bytes + kp * (4 if index_dtype == torch.int32 else 8), dtype=torch.uint8,
-                          device=device)
-    payload_values = payload[:value_bytes].view(flat.dtype)
-    payload_indices = payload[value_bytes:].view(index_dtype)
-    m = sum(chosen.numel() for chosen in local_indices)
-    if m:
-        torch.cat(local_values, out=payload_values[:m])
-        payload_indices[:m].copy_(torch.cat(local_indices))
-    payload_values[m:] = 0
-    payload_indices[m:] = n
+    payload = _pack(local_indices, local_values, kp, index_dtype, flat)
     gathered, fut = _gather_bytes(payload, world, group)
     acc_dtype = _acc_dtype(flat.dtype)
     union_seed = state.seed

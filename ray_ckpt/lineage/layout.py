@@ -50,3 +50,9 @@ def parse_name(name: str) -> tuple[int, str, int, int] | None:
         s = int(m.group(3))
         return gen, "full", s, s
     return gen, "diff", int(m.group(4)), int(m.group(5))
+
+#: in each checkpoint directory a Ray Train worker reports (not below the lineage root): a JSON pointer
+#: ``{"storage_uri", "run", "step"}`` naming the lineage and the step it had reached
+POINTER_FILE = "ray_ckpt_pointer.json"
+#: at the lineage root: the Ray Train run (name) that owns the lineage, JSON ``{"run", "adopted_from"}``
+RUN_MARKER = "run.json"

@@ -1,0 +1,206 @@
+"""Ray Train integration, controller side: ``RayCkptCallback`` in ``RunConfig(callbacks=[...])``.
+
+Tested with Ray 2.60 (Train V2); ``pyproject.toml`` pins ``ray[train]>=2.60,<2.61`` because the callback uses
+Ray Train's developer API ``ControllerCallback``. Hooks used, and where they run:
+
+=========================================================  ====================================================
+``ControllerCallback.after_controller_start``              controller actor: create the run's coordinator
+``ControllerCallback.before_controller_execute_failure_decision``  controller: record the failure, persist the
+                                                           replicas of objects whose node was lost
+``ControllerCallback.before_controller_execute_resize_decision``   controller: record the resize (elastic)
+``ControllerCallback.after_controller_finish``             controller: flush every persistence worker, then
+                                                           (unless ``keep_runtime``) stop the run's actors
+``ray.train.report`` (from ``attach``'s step hook)          every worker, every ``report_every`` steps: a tiny
+                                                           *pointer* checkpoint naming the lineage head
+                                                           (:mod:`ray_ckpt.integrations.train_session`)
+=========================================================  ====================================================
+
+Per-step state never goes through ``ray.train.report`` (it commits only at the controller's polls); it goes
+through the Ray runtime (PersistenceWorker actors + coordinator).
+
+Every failure or resize restarts the whole worker group; each new worker calls
+:func:`~ray_ckpt.integrations.train_session.attach` again, which restores the latest recoverable step (from the
+memory tier where possible) into the user's objects, on every rank (:mod:`ray_ckpt.integrations.agreement`), and
+tells the loop where to resume (``session.start_step``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import ray
+from ray.train.v2._internal.execution.callback import ControllerCallback
+
+from ray_ckpt import storage as _storage
+from ray_ckpt.storage.uri import SECRET_OPTIONS
+from ray_ckpt.config import CheckpointConfig
+from ray_ckpt.lineage import MANIFESTS_DIR
+from ray_ckpt.lineage.layout import RUN_MARKER
+from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
+
+log = logging.getLogger("ray_ckpt")
+
+
+class RayCkptCallback(ControllerCallback):
+    """Driver-side half of the integration: ``RunConfig(callbacks=[RayCkptCallback("s3://bucket/run")])``.
+
+    Created on the driver, pickled to the Ray Train controller actor, where its hooks run (see the module
+    docstring). ``storage_uri``/``storage_options`` name the lineage's storage; without ``storage_uri`` it is the
+    run's own place, ``<RunConfig.storage_path>/<RunConfig.name>/ray_ckpt`` (:func:`default_location`). A lineage
+    belongs to the run (name) that created it: a run with another name pointed at it is refused with an error,
+    unless ``adopt=True`` (continue that lineage under this run's name, taking over its writer lease). ``full_every``/``batch_steps``
+    the frequency policy the coordinator hands to the workers; ``keep_fulls`` > 0 garbage-collects chains older
+    than that many durable full checkpoints; ``mtbf_hint`` (seconds) is the adaptive policy's prior MTBF (the
+    coordinator adapts ``full_every``/``batch_steps`` unless they are given); ``keep_runtime=True`` leaves the coordinator
+    and persistence workers alive after the run (to restore from their memory tier later).
+    """
+
+    def __init__(self, storage_uri: str | os.PathLike | None = None, *, storage_options: dict | None = None,
+                 full_every: int | None = None, batch_steps: int | None = None, keep_runtime: bool = False,
+                 run: str | None = None, keep_fulls: int | None = None, mtbf_hint: float | None = None,
+                 adopt: bool = False):
+        self.storage_uri = os.fspath(storage_uri) if storage_uri is not None else None
+        self.storage_options = dict(storage_options or {})
+        self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
+                                               keep_fulls=keep_fulls, mtbf_hint=mtbf_hint)
+        self.keep_runtime = keep_runtime
+        self.run = run
+        self.adopt = adopt
+        if self.storage_uri is not None:  # fail fast on a bad URI, on the driver
+            _storage.open_storage(self.storage_uri, **self.storage_options)
+        given = sorted(k for k in self.storage_options if k in SECRET_OPTIONS and self.storage_options[k])
+        if given:
+            log.warning("ray_ckpt: RayCkptCallback got credentials (%s) in storage_options; they are not forwarded "
+                        "to the training workers (no actor hands credentials out): pass the same storage_options "
+                        "to ray_ckpt.train.attach(), or give the nodes credentials (AWS_* environment, profile, "
+                        "instance role)", ", ".join(given))
+        self.failures = 0
+
+    # -- controller side ---------------------------------------------------------------------------------------
+    def after_controller_start(self, train_run_context) -> None:
+        run = self.run or train_run_context.run_config.name
+        self.run = run
+        if self.storage_uri is None:
+            self.storage_uri = default_location(train_run_context.run_config)
+        storage = _storage.open_storage(self.storage_uri, **self.storage_options)
+        claim_run(storage, run, adopt=self.adopt)
+        coord = get_or_create_coordinator(run, storage, full_every=self.config.full_every,
+                                          batch_steps=self.config.batch_steps, keep_fulls=self.config.keep_fulls,
+                                          policy_options=self.config.policy_options(), takeover=self.adopt)
+        ray.get(coord.set_storage.remote(storage))
+        log.info("ray_ckpt: run %r checkpoints to %s", run, storage.describe())
+
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+        self.failures += 1
+        coord = self._coord()
+        if coord is None:
+            return
+        try:
+            coord.record_failure.remote({"decision": str(failure_decision), "failures": self.failures})
+            persist_orphans(self.run, coord)
+            for shard in _shard_runs(self.run):   # FSDP2 with runtime="ray": each shard lineage's run
+                shard_coord = ray.get_actor(naming.coordinator_name(shard), namespace=naming.NAMESPACE)
+                persist_orphans(shard, shard_coord)
+        except Exception as e:  # noqa: BLE001 - never break Ray Train's failure handling
+            log.warning("ray_ckpt: could not record the failure: %s", e)
+
+    def before_controller_execute_resize_decision(self, resize_decision) -> None:
+        coord = self._coord()
+        if coord is not None:
+            coord.record_event.remote({"resize": getattr(resize_decision, "num_workers", None)})
+
+    def after_controller_finish(self, result) -> None:
+        if self.run is None:
+            return
+        runs = [self.run] + _shard_runs(self.run)   # FSDP2 with runtime="ray": a run per shard lineage too
+        try:
+            for run in runs:
+                flush_run(run)
+        finally:
+            if not self.keep_runtime:
+                for run in runs:
+                    shutdown_run(run)
+
+    def _coord(self):
+        try:
+            return ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
+        except (ValueError, TypeError):
+            return None
+
+
+def default_location(run_config) -> str:
+    """The lineage root of a Ray Train run when no URI is given: next to Ray Train's own files for the run,
+    ``<storage_path>/<name>/ray_ckpt`` (``storage_path`` defaults to ``~/ray_results`` as in Ray Train)."""
+    base = run_config.storage_path or os.path.expanduser("~/ray_results")
+    if getattr(run_config, "storage_filesystem", None) is not None:
+        raise ValueError("RunConfig.storage_filesystem is set: give RayCkptCallback a storage_uri (and "
+                         "storage_options) for the lineage; ray_ckpt does not use pyarrow filesystem objects")
+    if not run_config.name:
+        raise ValueError("RunConfig.name is not set: name the run, or give RayCkptCallback a storage_uri")
+    return f"{base.rstrip('/')}/{run_config.name}/ray_ckpt"
+
+
+def claim_run(storage, run: str, *, adopt: bool = False) -> None:
+    """Record that the lineage at ``storage`` belongs to ``run`` (:data:`~ray_ckpt.lineage.layout.RUN_MARKER` at
+    its root), or refuse: a lineage created by another run name is not silently resumed by this one
+    (``adopt=True`` takes it over). Controller actor (:meth:`RayCkptCallback.after_controller_start`)."""
+    try:
+        owner = json.loads(storage.read(RUN_MARKER)).get("run")
+    except _storage.ObjectNotFound:
+        owner = None
+    except ValueError:
+        owner = None  # unreadable marker: rewritten below
+    if owner not in (None, run) and not adopt:
+        raise ValueError(f"{storage.describe()} holds the checkpoints of run {owner!r}, not of run {run!r}: "
+                         f"point this run at its own storage (or leave storage_uri out: the run's own place), "
+                         f"or resume that lineage under the new name with RayCkptCallback(..., adopt=True)")
+    if owner is None and not _is_empty(storage):
+        owner = "<unnamed>"  # written by Checkpointer/an older ray_ckpt: claim it only when adopting
+        if not adopt:
+            raise ValueError(f"{storage.describe()} already holds checkpoints that no Ray Train run claimed: "
+                             f"use another storage, or RayCkptCallback(..., adopt=True) to resume them as run "
+                             f"{run!r}")
+    if owner != run:
+        storage.write(RUN_MARKER, json.dumps({"run": run, "adopted_from": owner}).encode())
+
+
+def _is_empty(storage) -> bool:
+    return not storage.list(MANIFESTS_DIR)
+
+
+def _shard_runs(run: str) -> list[str]:
+    """The shard runs of ``run`` with live actors (sharded FSDP2 state, runtime='ray'). Any process."""
+    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
+    return naming.shard_runs(run, names)
+
+
+def flush_run(run: str, timeout: float = 300.0) -> None:
+    """Wait until every persistence worker of ``run`` has made what it holds durable. Any process."""
+    workers = [ray.get_actor(a["name"], namespace=naming.NAMESPACE)
+               for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith(naming.worker_prefix(run))]
+    calls = [w.flush.remote() for w in workers]
+    done, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+    for c in done:
+        try:
+            ray.get(c)
+        except Exception as e:  # noqa: BLE001 - a worker of a dead node
+            log.warning("ray_ckpt: a persistence worker could not flush: %s", e)
+
+
+def persist_orphans(run: str, coord) -> list[str]:
+    """After a node loss: ask live holders to persist objects that exist only in memory. Any process."""
+    todo = ray.get(coord.unpersisted.remote(), timeout=60)
+    written = []
+    for node, names in todo.items():
+        try:
+            w = ray.get_actor(naming.worker_name(run, node), namespace=naming.NAMESPACE)
+            written += ray.get(w.persist.remote(names), timeout=300)
+        except Exception as e:  # noqa: BLE001
+            log.warning("ray_ckpt: node %s could not persist %d objects: %s", node[:8], len(names), e)
+    return written
+
+
+__all__ = ["RayCkptCallback", "claim_run", "default_location", "flush_run", "persist_orphans"]

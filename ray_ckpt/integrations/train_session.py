@@ -1,0 +1,240 @@
+"""Ray Train integration, worker side: :func:`attach` inside ``train_loop_per_worker`` and the
+:class:`TrainSession` it returns.
+
+Runs in each Ray Train worker process. :func:`attach` restores the latest recoverable step on every rank (the
+ranks agree on it: :mod:`ray_ckpt.integrations.agreement`), then attaches a Checkpointer (world rank 0, or every
+rank with sharded state) and, on the other ranks of a group, a recorder of their own loop state; an optimizer
+step hook reports a tiny *pointer* checkpoint (:mod:`ray_ckpt.lineage.pointer`) every ``report_every`` steps
+through ``ray.train.report``. The controller side is :mod:`ray_ckpt.integrations.train_callback`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from ray_ckpt import storage as _storage
+from ray_ckpt.api import Checkpointer
+from ray_ckpt.config import CheckpointConfig
+from ray_ckpt.engine.capture import as_stateful
+from ray_ckpt.engine.rankloop import RankLoopRecorder
+from ray_ckpt.engine.targets import check_params, unwrap
+from ray_ckpt.integrations.agreement import Collective, agreed_restore, sharded_agreed_restore
+from ray_ckpt.integrations.compression import ResidualState
+from ray_ckpt.lineage.pointer import read_pointer, write_pointer
+from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.coordinator import get_or_create_coordinator
+
+log = logging.getLogger("ray_ckpt")
+
+
+@dataclass
+class TrainSession:
+    """What :func:`attach` returns to the training loop (one per worker process)."""
+
+    start_step: int                     #: the step to resume from (0 on a fresh run)
+    restored: bool                      #: True when state was restored from the lineage
+    run: str
+    storage_uri: str
+    world_rank: int
+    checkpointer: Checkpointer | None   #: rank 0 (every rank with sharded state): captures every step
+    restore_seconds: float = 0.0
+    loop_recorder: Any = None           #: ranks > 0 of a group: records this rank's RNG and extra state
+    report_every: int = 0               #: pointer reports every this many steps (0: only at close)
+    step: int = 0                       #: optimizer steps taken (counting the restored prefix)
+    last_metrics: dict = field(default_factory=dict)   #: the latest metrics given to :meth:`report`
+    _reported_step: int | None = None
+    _hooks: list = field(default_factory=list)
+    _closed: bool = False
+
+    def report(self, metrics: dict, checkpoint: Any = None, **kwargs) -> None:
+        """``ray.train.report`` with the lineage pointer attached: use it in place of ``ray.train.report`` (same
+        arguments; call it on every rank, as Ray Train requires). The metrics get ``ray_ckpt_step`` added and are
+        kept: ray_ckpt's own pointer reports (every ``report_every`` steps and at :meth:`close`) carry the latest
+        ones, so ``Result.metrics`` and ``best_checkpoints`` see the user's metrics. On world rank 0 the pointer
+        file goes into the reported checkpoint (``checkpoint``, a local directory checkpoint, when given; a new
+        one otherwise). Training worker."""
+        self.last_metrics = dict(metrics)
+        self._report(checkpoint, **kwargs)
+
+    def _report(self, checkpoint: Any = None, **kwargs) -> None:
+        metrics = {**self.last_metrics, "ray_ckpt_step": self.step}
+        self._reported_step = self.step
+        if self.world_rank != 0:
+            ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
+            return
+        pointer = {"storage_uri": self.storage_uri, "run": self.run, "step": self.step}
+        if checkpoint is not None:
+            if not os.path.isdir(str(checkpoint.path)):
+                raise ValueError("TrainSession.report adds the ray_ckpt pointer to a checkpoint in a local "
+                                 "directory; this one is at " + str(checkpoint.path))
+            write_pointer(str(checkpoint.path), pointer)
+            ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
+            return
+        with tempfile.TemporaryDirectory() as d:
+            write_pointer(d, pointer)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d), **kwargs)
+
+    def close(self, timeout: float | None = None, *, report: bool = True) -> None:
+        """End of training: make every captured step durable, detach, and (``report``) report a final pointer
+        naming the last step, with the latest metrics, unless that step was just reported. Call on every rank
+        (the final report is collective, as every ``ray.train.report``)."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close(timeout)
+        finally:
+            if self.loop_recorder is not None:
+                self.loop_recorder.close(timeout)
+        if report and self._reported_step != self.step:
+            self._report()
+
+    def __enter__(self) -> "TrainSession":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(report=exc_type is None)   # an exception: no collective report (other ranks may not come)
+
+
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
+           strategy: Any = None, extra_state: Any = None, scaler: Any = None,
+           storage_uri: str | os.PathLike | None = None, storage_options: dict | None = None,
+           run: str | None = None, report_every: int | None = None, full_every: int | None = None,
+           batch_steps: int | None = None, compression_state: Any = None,
+           sharded_runtime: str = "ray") -> TrainSession:
+    """Attach ray_ckpt inside ``train_loop_per_worker``; call on every worker after building (and wrapping)
+    the model and optimizer. Runs in the Ray Train worker process.
+
+    On a fresh run it returns ``start_step == 0``. When the run already has a lineage (Ray Train restarted the
+    worker group after a failure or resize, or the whole driver was restarted with the same run name), every
+    rank restores model, optimizer, scheduler, scaler and extra state to the latest recoverable step and
+    ``start_step`` is that step: the loop continues with its ``(start_step+1)``-th optimizer step. The step is
+    decided once, by world rank 0, and restored on every rank (see :func:`agreed_restore`); when any rank
+    cannot restore it, every rank raises :class:`RestoreError`.
+    World rank 0 then captures every optimizer step; every rank reports a pointer checkpoint every
+    ``report_every`` steps (default: ``full_every``; 0: none) and at :meth:`TrainSession.close`, so
+    ``Result.checkpoint`` names the lineage head (``ray_ckpt.restore(result.checkpoint, model, optimizer)``
+    restores it). Report your own metrics with :meth:`TrainSession.report` (in place of ``ray.train.report``):
+    they are kept in every pointer report, never replaced.
+
+    ``extra_state``: an object with ``state_dict``/``load_state_dict`` or a dict of them, e.g.
+    ``{"loader": StatefulDataLoader(...), "epoch": counter}`` to resume mid-epoch.
+
+    The storage comes from :class:`RayCkptCallback` (via the run's coordinator) unless ``storage_uri`` is given;
+    its credentials do not come along (no actor hands them out): each worker resolves its own, from
+    ``storage_options`` or its node's AWS environment, profile or instance role.
+    Every rank gets its own RNG and extra state back: ranks > 0 record theirs next to the lineage (see
+    :mod:`ray_ckpt.engine.rankloop`). ``compression_state``: the :class:`~ray_ckpt.compression.TopKState` of the
+    DDP comm hook; with ``error_feedback=True`` each rank's residuals are checkpointed with its loop state
+    (:class:`~ray_ckpt.compression.ResidualState`: a dense copy per step and rank), so compression after a
+    restore matches the uninterrupted run.
+    ``sharded_runtime`` (FSDP2 models, where every rank checkpoints its shard): ``"ray"`` — a shard run per rank
+    (its coordinator on the head node, its node worker, its replica); ``"local"`` — each rank writes its shard
+    lineage from a thread of its process, no actors per rank (cheaper with many ranks; restores from storage).
+    """
+    if sharded_runtime not in ("ray", "local"):   # refused before any actor or file is created
+        raise ValueError(f"sharded_runtime must be 'ray' or 'local', got {sharded_runtime!r}")
+    extra_state = as_stateful(extra_state)
+    if compression_state is not None and getattr(compression_state, "error_feedback", False):
+        extra_state = ResidualState(compression_state, model, extra_state)
+    ctx = ray.train.get_context()
+    run = run or ctx.get_experiment_name()
+    rank = ctx.get_world_rank()
+    storage = _resolve_storage(run, storage_uri, storage_options)
+    config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps)
+    coord = get_or_create_coordinator(run, storage, full_every=config.full_every,
+                                      batch_steps=config.batch_steps)
+    policy = ray.get(coord.get_policy.remote())
+    sharded = check_params(optimizer) is not None
+    t0 = time.perf_counter()
+    if sharded:
+        start, restored = sharded_agreed_restore(storage, model, optimizer, scheduler=scheduler,
+                                                 extra_state=extra_state, scaler=scaler, run=run,
+                                                 runtime=sharded_runtime)
+    else:
+        start, restored = agreed_restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
+                                         scaler=scaler, run=run)
+    restore_seconds = time.perf_counter() - t0
+    if restored:
+        log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, restore_seconds)
+    ck = recorder = None
+    if sharded:
+        # FSDP2: every rank checkpoints its own shard lineage (with its own loop state): through a run of its own
+        # (its coordinator, its node's persistence worker, its replica) or from a thread of its process; the run
+        # (or, locally, the writer lease) is the experiment's, so a restarted worker group continues
+        ck = Checkpointer(storage, model, optimizer, scheduler=scheduler, strategy=strategy,
+                          extra_state=extra_state, scaler=scaler, start_step=start, runtime=sharded_runtime,
+                          run=run, full_every=policy.full_every, batch_steps=policy.batch_steps)
+    else:
+        if rank == 0:
+            ck = Checkpointer(storage, model, optimizer, scheduler=scheduler,
+                              strategy=strategy, extra_state=extra_state, scaler=scaler,
+                              start_step=start, runtime="ray", run=run,
+                              full_every=policy.full_every, batch_steps=policy.batch_steps)
+        recorder = record_rank_loop(storage, rank, model, optimizer, ck, start=start, extra_state=extra_state,
+                                     full_every=policy.full_every, batch_steps=policy.batch_steps)
+    every = policy.full_every if report_every is None else report_every
+    session = TrainSession(start_step=start, restored=restored, run=run,
+                           storage_uri=storage.describe(), world_rank=rank, checkpointer=ck,
+                           restore_seconds=restore_seconds, loop_recorder=recorder, report_every=every,
+                           step=start)
+    session._hooks.append(optimizer.register_step_post_hook(_pointer_hook(session)))
+    return session
+
+
+def record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state, full_every, batch_steps):
+    """Ranks > 0 of a process group record their own loop state, tagged with rank 0's generation (broadcast:
+    collective). None on rank 0 and without a group. Training process."""
+    group = Collective()
+    if group.world == 1:
+        return None
+    generation = group.broadcast("share its generation", lambda: ck.generation if ck is not None else None)
+    if rank == 0:
+        return None
+    return RankLoopRecorder(storage, rank, unwrap(model), optimizer, main_generation=generation,
+                            start_step=start, extra_state=extra_state, full_every=full_every,
+                            batch_steps=batch_steps)
+
+
+def _resolve_storage(run: str, storage_uri, storage_options):
+    """The lineage's storage: ``storage_uri``, else the callback's (from the run's coordinator), else the one the
+    run's last pointer checkpoint names. Training worker."""
+    if storage_uri is not None:
+        return _storage.open_storage(os.fspath(storage_uri), **(storage_options or {}))
+    try:
+        coord = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
+    except ValueError:
+        coord = None
+    if coord is not None:  # the callback's storage, as a URI without credentials: this process brings its own
+        return _storage.open_storage(ray.get(coord.storage_uri.remote()), **(storage_options or {}))
+    ckpt = ray.train.get_checkpoint()
+    ptr = read_pointer(ckpt) if ckpt is not None else None
+    if ptr is not None:
+        return _storage.open_storage(ptr["storage_uri"], **(storage_options or {}))
+    raise ValueError("ray_ckpt.train.attach needs a storage: add RayCkptCallback(storage_uri) to "
+                     "RunConfig(callbacks=...) or pass storage_uri=")
+
+
+def _pointer_hook(session: TrainSession):
+    """Counts optimizer steps; every ``report_every`` steps, a pointer report (training thread, every rank)."""
+    def hook(opt, args, kwargs):
+        session.step += 1
+        if session.report_every and session.step % session.report_every == 0:
+            session._report()
+
+    return hook
+
+
+# read_pointer: the reader of the pointer files this module reports, for ray_ckpt.train (which imports only
+# from integrations)
+__all__ = ["TrainSession", "attach", "read_pointer", "record_rank_loop"]
