@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-from ray_ckpt.config import Amber, CheckpointConfig, LowDiff
+from ray_ckpt.config import Amber, CheckpointConfig, LowDiff, Runtime
+from ray_ckpt.engine.attachment import Attachment
 from ray_ckpt.engine.capture import ATTACHED_ATTR, RESTORED_STEP_ATTR
 from ray_ckpt.engine.lease import Lease
 from ray_ckpt.engine.restore import apply_chain, check_not_attached, load_lineage, resolve_and_load
 from ray_ckpt.engine.strategy import impl_for
-from ray_ckpt.engine.targets import check_params as _check_params, unwrap as _unwrap
+from ray_ckpt.engine.targets import check_params, unwrap
 from ray_ckpt.engine.writer import AsyncWriter
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.lineage import ManifestError
@@ -27,7 +28,7 @@ from ray_ckpt.lineage.layout import POINTER_FILE
 from ray_ckpt.lineage.pointer import read_pointer
 from ray_ckpt.storage.base import ObjectNotFound
 from ray_ckpt.policy import FixedFrequencyPolicy
-from ray_ckpt.policy.adaptive import AdaptivePolicy, make_tuner, publish_report
+from ray_ckpt.policy.adaptive import CommitFeed
 from ray_ckpt import storage as _storage
 from ray_ckpt.engine import sharded as _sharded
 
@@ -39,12 +40,21 @@ class Checkpointer:
 
     ``runtime="ray"`` hands captured steps to this node's PersistenceWorker actor (memory tier, peer replica,
     durable writes) and registers them with the run's coordinator (``run`` names it; default: derived from
-    ``uri``); Ray must be initialized. ``runtime="local"`` writes from a thread of this process.
+    ``uri``); Ray must be initialized. ``runtime="local"`` writes from a thread of this process. Either string
+    or a :class:`~ray_ckpt.config.Runtime`; anything else raises ValueError saying what is accepted.
 
     Runs in the training process. Construction takes the first full checkpoint (step ``start_step``, by default
     the step a preceding :func:`restore` returned, else 0) and installs hooks on ``optimizer`` (and wraps
     ``scheduler.step``); from then on each ``optimizer.step()`` is captured (a copy at most) and written by a
     background thread in batches of ``batch_steps`` steps, with a full checkpoint every ``full_every`` steps.
+
+    The knobs: ``config``, a :class:`~ray_ckpt.CheckpointConfig`, and keyword overrides of its fields
+    (``full_every``, ``batch_steps``, ``max_pending_bytes``, ``capture_rng``, ``memory_budget``, ``keep_fulls``,
+    ``replica``, ``handoff_delay``, ``policy``, ``mtbf_hint``, ``durable_diffs``, ``write_timeout``, or any other
+    field). For each knob, from lowest to highest precedence: the default, the ``RAY_CKPT_<FIELD>`` environment
+    variable, a field ``config`` was constructed with, a keyword override that is not None (see
+    :meth:`CheckpointConfig.resolve`). An unknown (misspelled) knob raises TypeError naming the closest one.
+    ``self.config`` is the config in force.
 
     ``extra_state``, ``scheduler`` and ``scaler`` are objects with ``state_dict()``/``load_state_dict()``; the
     same objects are given to :func:`restore`. Use as a context manager or call :meth:`close`.
@@ -52,7 +62,8 @@ class Checkpointer:
     One writer per lineage: a second Checkpointer (another job) on the same ``uri`` raises
     :class:`~ray_ckpt.engine.lease.LeaseError` naming the holder, unless ``takeover=True`` (take over a lease
     whose job is gone; logged). With ``runtime="ray"`` the lease belongs to the run; with ``runtime="local"``
-    and ``run`` given it is shared by the writers of that run (a restarted worker group continues).
+    and ``run`` given it is shared by the writers of that run (a restarted worker group continues). An attach
+    that fails halfway releases what it took (lease, writer thread, hooks).
 
     Sharded state (FSDP2 ``fully_shard``: parameters are DTensor shards on a 1-D mesh): create a Checkpointer on
     every rank; each writes its own shard lineage below ``uri`` (``shards/w<world>/r<rank>/``) with LowDiff, and
@@ -76,153 +87,71 @@ class Checkpointer:
     """
 
     def __init__(self, uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 scheduler: Any = None, strategy: Any = None, full_every: int | None = None,
-                 batch_steps: int | None = None, extra_state: Any = None, scaler: Any = None,
-                 storage_options: dict | None = None, start_step: int | None = None,
-                 max_pending_bytes: int | None = None, capture_rng: bool | None = None,
-                 runtime: str = "local", run: str | None = None, memory_budget: int | None = None,
-                 keep_fulls: int | None = None, replica: bool | None = None, handoff_delay: float | None = None,
-                 policy: str | None = None, mtbf_hint: float | None = None,
-                 durable_diffs: str | Amber | None = None, write_timeout: float | None = None, takeover: bool = False):
-        model = _unwrap(model)
+                 scheduler: Any = None, scaler: Any = None, extra_state: Any = None, strategy: Any = None,
+                 config: CheckpointConfig | None = None, runtime: str | Runtime = "local", run: str | None = None,
+                 storage_options: dict | None = None, start_step: int | None = None, takeover: bool = False,
+                 **overrides):
+        model = unwrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        shard_spec = _check_params(optimizer)
-        strategy = strategy if strategy is not None else LowDiff()
-        impl = impl_for(strategy)
-        durable_amber_cfg = None
-        if isinstance(durable_diffs, Amber):
-            durable_amber_cfg, durable_diffs = durable_diffs, "amber"
-        if runtime not in ("local", "ray"):
-            raise ValueError(f"runtime must be 'local' (a writer thread in this process) or 'ray' (persistence "
-                             f"actors), got {runtime!r}")
-        if shard_spec is not None:
-            _check_sharded_support(impl)
-        self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
-                                               max_pending_bytes=max_pending_bytes, capture_rng=capture_rng,
-                                               memory_budget=memory_budget, keep_fulls=keep_fulls,
-                                               replica=replica, handoff_delay=handoff_delay,
-                                               policy=policy, mtbf_hint=mtbf_hint, durable_diffs=durable_diffs,
-                                               write_timeout=write_timeout)
-        if self.config.durable_diffs != "all" and runtime != "ray":
-            raise ValueError(f"durable_diffs={self.config.durable_diffs!r} needs runtime='ray' (a memory tier on "
-                             f"two nodes); runtime={runtime!r} writes every step")
-        durable_amber = _durable_amber(durable_amber_cfg, self.config, impl, shard_spec)
-        self.runtime = runtime
-        self.strategy = strategy
-        self.storage = open_uri(uri, storage_options)
-        self.shard_spec = shard_spec
-        if shard_spec is not None:   # FSDP2: this rank's shard lineage (see ray_ckpt.engine.sharded)
-            _sharded.mark_world(self.storage, shard_spec)
-            self.storage = _sharded.shard_storage(self.storage, shard_spec.world, shard_spec.rank)
-            if runtime == "ray":     # a run per shard lineage: its coordinator, node workers and replica
-                run = _sharded.shard_run(run, shard_spec.world, shard_spec.rank)
-                if memory_budget is None:   # the node's object store is shared by the shard runs of its ranks
-                    from ray_ckpt.runtime.client import node_share
-                    self.config = dataclasses.replace(self.config, memory_budget=node_share(
-                        self.config.memory_budget, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+        self.shard_spec = check_params(optimizer)
+        self.strategy = strategy if strategy is not None else LowDiff()
+        impl = impl_for(self.strategy)
+        self.runtime = Runtime.of(runtime)
+        _check_sharded_support(impl, self.shard_spec)
+        self.config, durable_amber = _resolve_config(config, overrides, self.runtime, impl, self.shard_spec)
+        self.storage, run = _open_lineage(uri, storage_options, run, self.shard_spec, self.runtime)
         self.uri = self.storage.describe()
-        if start_step is None:
-            start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
-        info = {"num_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
-                "optimizer": type(optimizer).__name__, "start_step": start_step}
-        if durable_amber is not None:   # the replica computes the Amber tier's increments with these settings
-            info["durable_amber"] = dataclasses.asdict(durable_amber)
+        self._start_step = start_step = _first_step(optimizer, start_step)
         if getattr(optimizer, ATTACHED_ATTR, None) is not None:   # before anything is acquired
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
-        self._tuner = None
-        self._lease = None
-        self._writer = None
-        try:
-            policy = self._attach_sink(impl, run, info, takeover)
-            fp_every = self.config.fingerprint_every if getattr(self._writer, "replica_enabled", False) else 0
-            self._capture = impl.make_capture(model, optimizer, self._writer, policy, start_step=start_step,
-                                              scheduler=scheduler, scaler=scaler, extra_state=extra_state,
-                                              capture_rng=self.config.capture_rng, fingerprint_every=fp_every)
+        self._feed: CommitFeed | None = None
+        self._att = Attachment()
+        with self._att.releasing_on_error():   # a failure below leaves nothing held (lease, writer thread, hooks)
+            policy = self._attach_sink(impl, run, _attach_info(optimizer, start_step, durable_amber), takeover)
+            fp_every = self.config.fingerprint_every if getattr(self._sink, "replica_enabled", False) else 0
+            self._capture = self._att.hold_capture(impl.make_capture(
+                model, optimizer, self._sink, policy, start_step=start_step, scheduler=scheduler, scaler=scaler,
+                extra_state=extra_state, capture_rng=self.config.capture_rng, fingerprint_every=fp_every))
             self._capture._copy.pool.max_bytes = self.config.max_pending_bytes
-            if shard_spec is not None:
-                self._capture.sharding = _sharded.sharding_info(shard_spec)
-        except BaseException:      # bad arguments found late: nothing stays held (writer thread, lease)
-            if self._writer is not None:
-                self._writer.close()
-            if self._lease is not None:
-                self._lease.release()
-            raise
-        attach_capture = getattr(self._writer, "attach_capture", None)
-        if attach_capture is not None:  # runtime="ray": the sender publishes the capture's Ray metrics
-            attach_capture(self._capture, start_step)
-        self._closed = False
-        self._start_step = start_step
-        try:
-            self._writer.submit(self._capture.snapshot_now())
-            if runtime == "ray":  # held on two nodes (durable on a one-node cluster) when attach returns
-                self._writer.wait_safe()
-        except BaseException:
-            self._capture.detach()
-            self._writer.close()
-            if self._lease is not None:
-                self._lease.release()
-            raise
-        log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.storage.describe(),
-                 self.generation, start_step)
+            if self.shard_spec is not None:
+                self._capture.sharding = _sharded.sharding_info(self.shard_spec)
+            if self.runtime is Runtime.RAY:   # the sender publishes the capture's Ray metrics
+                self._sink.attach_capture(self._capture, start_step)
+            self._sink.submit(self._capture.snapshot_now())
+            if self.runtime is Runtime.RAY:   # held on two nodes (durable on a one-node cluster) when attach returns
+                self._sink.wait_safe()
+        log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.uri, self.generation, start_step)
 
     def _attach_sink(self, impl, run, info: dict, takeover: bool):
-        """The lease (local), the generation and the sink of this attach; returns the frequency policy."""
-        if self.runtime == "local":
-            self._lease = Lease(self.storage, run=run)   # shared by the writers of one run (Ray Train restarts)
-            self._lease.acquire(takeover=takeover)      # one writer per lineage (LeaseError names the holder)
-            lineage, _ = load_lineage(self.storage, strict=False)
-            self.generation = lineage.next_generation()
-            policy = self._local_policy()
-            self._writer = AsyncWriter(self.storage, self.generation, impl,
-                                       max_pending_bytes=self.config.max_pending_bytes,
-                                       write_retries=self.config.write_retries,
-                                       write_timeout=self.config.write_timeout, info=info,
-                                       index=lineage.manifests, keep_fulls=self.config.keep_fulls,
-                                       lease=self._lease,
-                                       on_commit=self._observe_commit if self._tuner is not None else None)
+        """The lease (local), the generation and the sink of this attach, held by the attachment; returns the
+        frequency policy. Training thread."""
+        if self.runtime is Runtime.RAY:
+            from ray_ckpt.runtime.client import attach_sink
+            self.run, self.generation, policy, sink = attach_sink(
+                self.storage, impl, run=run, config=self.config, info=info, takeover=takeover)
+            self._sink = self._att.hold_sink(sink)
             return policy
-        from ray_ckpt.runtime.client import attach_sink
-        self.run, self.generation, policy, self._writer = attach_sink(
-            self.storage, impl, run=run, config=self.config, info=info, takeover=takeover)
-        return policy
-
-    def _local_policy(self):
-        """runtime="local": the frequency policy; with policy="adaptive" a tuner fed by the writer thread."""
-        c = self.config
-        if c.policy == "fixed":
-            return FixedFrequencyPolicy(c.full_every, c.batch_steps)
-        policy = AdaptivePolicy(c.full_every, c.batch_steps, pinned=c.pinned, clock=time.perf_counter)
-        self._tuner = make_tuner(c.full_every, c.batch_steps, pinned=c.pinned, mtbf_hint=c.mtbf_hint,
-                                 background_cost=c.background_cost, request_budget=c.request_budget,
-                                 max_full_every=c.max_full_every, memory_budget=c.max_pending_bytes,
-                                 started_at=time.time(), policy=policy)
-        self._seen = (0.0, 0.0)
-        return policy
-
-    def _observe_commit(self, m) -> None:
-        """Writer thread, after each commit: feed the cost model, re-decide (rate-limited), publish changes."""
-        st = self._writer.stats
-        write_s, encode_s = st.write_seconds - self._seen[0], st.encode_seconds - self._seen[1]
-        self._seen = (st.write_seconds, st.encode_seconds)
-        capture = getattr(self, "_capture", None)
-        block = capture.last_snapshot_seconds if (m.kind == "full" and capture is not None) else None
-        self._tuner.observe_commit(kind=m.kind, nbytes=m.nbytes, write_s=write_s, encode_s=encode_s,
-                                   steps=m.last_step - m.first_step + 1, block_s=block)
-        self._tuner.model.observe_memory("writer", self._writer.pending_bytes)
-        before = len(self._tuner.history)
-        now = time.time()
-        self._tuner.decide(now)
-        if len(self._tuner.history) != before:
-            publish_report(self.storage, self._tuner.report(now))
+        # one writer per lineage (LeaseError names the holder), shared by the writers of one run (Ray Train restarts)
+        lease = self._att.take_lease(Lease(self.storage, run=run), takeover=takeover)
+        lineage, _ = load_lineage(self.storage, strict=False)
+        self.generation = lineage.next_generation()
+        c, att = self.config, self._att
+        # policy="adaptive": tuned in the writer thread after each commit (the callback holds no Checkpointer)
+        self._feed = feed = CommitFeed(self.storage, c.full_every, c.batch_steps, **c.policy_options()) \
+            if c.policy == "adaptive" else None
+        self._sink = att.hold_sink(AsyncWriter(
+            self.storage, self.generation, impl, max_pending_bytes=c.max_pending_bytes,
+            write_retries=c.write_retries, write_timeout=c.write_timeout, info=info, index=lineage.manifests,
+            keep_fulls=c.keep_fulls, lease=lease,
+            on_commit=(lambda m: feed.observe(m, att.sink, att.capture)) if feed is not None else None))
+        return feed.policy if feed is not None else FixedFrequencyPolicy(c.full_every, c.batch_steps)
 
     def policy_report(self) -> dict | None:
         """What the adaptive policy decides and why (None with policy="fixed"). Any thread."""
-        if self._tuner is not None:
-            return self._tuner.report(time.time())
-        if self.runtime == "ray":  # the coordinator owns the policy
+        if self._feed is not None:
+            return self._feed.report()
+        if self.runtime is Runtime.RAY:  # the coordinator owns the policy
             from ray_ckpt.runtime.client import policy_report
             return policy_report(self.storage, self.run)
         return None
@@ -235,25 +164,16 @@ class Checkpointer:
     @property
     def last_committed_step(self) -> int | None:
         """The highest step whose diff or full object is committed (durable)."""
-        return self._writer.stats.last_committed_step
+        return self._sink.stats.last_committed_step
 
     def flush(self, timeout: float | None = None) -> None:
         """Make every step captured so far durable. Training thread; blocks."""
-        self._capture.flush_pending()
-        self._writer.flush(timeout)
+        self._att.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, detach the hooks and stop the writer. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._capture.flush_pending()
-            self._writer.close(timeout)
-        finally:
-            self._capture.detach()
-            if self._lease is not None:
-                self._lease.release()
+        """Flush, detach the hooks, stop the writer and release the lease (each even when an earlier one
+        fails). Idempotent."""
+        self._att.close(timeout)
 
     def stats(self) -> dict:
         """Counters for logs and benchmarks (training process). ``durable_lag_steps``: steps captured but not yet
@@ -263,7 +183,7 @@ class Checkpointer:
         durable writes, ``encode_seconds`` the sender thread's encode + hand-off time. With Amber, ``amber``
         counts the fulls its chain policy asked for (``early_fulls``: a merged increment grew too large) and the
         merge requests (``merges``)."""
-        s = self._writer.stats
+        s = self._sink.stats
         committed = s.last_committed_step
         out = {"step": self.step, "generation": self.generation, "last_committed_step": committed,
                # nothing committed yet: the attach full itself is pending too
@@ -271,13 +191,13 @@ class Checkpointer:
                "objects_written": s.objects_written, "bytes_written": s.bytes_written,
                "diff_bytes": s.diff_bytes, "full_bytes": s.full_bytes, "stall_seconds": s.stall_seconds,
                "write_seconds": s.write_seconds, "encode_seconds": s.encode_seconds,
-               "capture_seconds": self._capture.capture_seconds, "pending_bytes": self._writer.pending_bytes,
+               "capture_seconds": self._capture.capture_seconds, "pending_bytes": self._sink.pending_bytes,
                "trainer_fulls": self._capture.full_snapshots,
                "full_every": self._capture.policy.full_every, "batch_steps": self._capture.policy.batch_steps,
                "policy": self.policy_report()}
         if hasattr(self._capture, "early_fulls"):   # Amber: why fulls were taken, and the merged increments
             out["amber"] = {"early_fulls": self._capture.early_fulls, "merges": self._capture.merges}
-        runtime_stats = getattr(self._writer, "runtime_stats", None)
+        runtime_stats = getattr(self._sink, "runtime_stats", None)
         if runtime_stats is not None:
             rt = runtime_stats()
             w = rt.get("worker", {})
@@ -292,14 +212,65 @@ class Checkpointer:
         self.close()
 
     def __del__(self):  # best effort: never leave hooks on a live optimizer
+        att = getattr(self, "_att", None)   # absent when __init__ raised before attaching
         try:
-            if not self._closed:
-                self._capture.detach()
-                self._writer.close(timeout=5)
-                if self._lease is not None:
-                    self._lease.release()
+            if att is not None:
+                att.release(timeout=5)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: Runtime, impl,
+                    shard_spec) -> tuple[CheckpointConfig, Amber | None]:
+    """A Checkpointer's config in force (:meth:`CheckpointConfig.resolve`) and the Amber settings of
+    ``durable_diffs="amber"`` (an ``Amber(...)`` given as ``durable_diffs``, else the defaults; None for the other
+    modes), checked against the runtime, the strategy and the sharding. Training process."""
+    amber = overrides.get("durable_diffs")
+    if isinstance(amber, Amber):
+        overrides = {**overrides, "durable_diffs": "amber"}
+    else:
+        amber = None
+    resolved = CheckpointConfig.resolve(config, **overrides)
+    if resolved.durable_diffs != "all" and runtime is not Runtime.RAY:
+        raise ValueError(f"durable_diffs={resolved.durable_diffs!r} needs runtime='ray' (a memory tier on "
+                         f"two nodes); runtime={runtime.value!r} writes every step")
+    durable_amber = _durable_amber(amber, resolved, impl, shard_spec)
+    if shard_spec is not None and runtime is Runtime.RAY and "memory_budget" not in resolved.given:
+        from ray_ckpt.runtime.client import node_share   # the node's object store is shared by its ranks' runs
+        share = node_share(resolved.memory_budget, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        resolved = CheckpointConfig.resolve(resolved, memory_budget=share)
+    return resolved, durable_amber
+
+
+def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec, runtime: Runtime):
+    """``(storage, run)`` of an attach: for sharded (FSDP2) state this rank's shard lineage (see
+    :mod:`ray_ckpt.engine.sharded`) and, with ``runtime="ray"``, its run (a run per shard lineage: its
+    coordinator, node workers and replica). Training process."""
+    storage = open_uri(uri, storage_options)
+    if shard_spec is None:
+        return storage, run
+    _sharded.mark_world(storage, shard_spec)
+    if runtime is Runtime.RAY:
+        run = _sharded.shard_run(run, shard_spec.world, shard_spec.rank)
+    return _sharded.shard_storage(storage, shard_spec.world, shard_spec.rank), run
+
+
+def _first_step(optimizer: torch.optim.Optimizer, start_step: int | None) -> int:
+    """The step an attach starts at: ``start_step``, else the step a preceding :func:`restore` returned, else 0."""
+    if start_step is None:
+        start_step = getattr(optimizer, RESTORED_STEP_ATTR, 0)
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}")
+    return start_step
+
+
+def _attach_info(optimizer: torch.optim.Optimizer, start_step: int, durable_amber: Amber | None) -> dict:
+    """The ``info`` of an attach's manifests."""
+    info = {"num_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
+            "optimizer": type(optimizer).__name__, "start_step": start_step}
+    if durable_amber is not None:   # the replica computes the Amber tier's increments with these settings
+        info["durable_amber"] = dataclasses.asdict(durable_amber)
+    return info
 
 
 def _durable_amber(given: Amber | None, config: CheckpointConfig, impl, shard_spec) -> Amber | None:
@@ -322,7 +293,7 @@ def _durable_amber(given: Amber | None, config: CheckpointConfig, impl, shard_sp
 def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
             step: int | None = None, extra_state: Any = None, scaler: Any = None,
             storage_options: dict | None = None, fallback: bool = False, restore_rng: bool = True,
-            runtime: str = "local", run: str | None = None) -> int:
+            runtime: str | Runtime = "local", run: str | None = None) -> int:
     """Restore ``model``, ``optimizer`` (and scheduler, scaler, extra state, RNG) to ``step`` (None = latest
     committed) from ``uri``; returns the restored step. Runs in the calling (training) process.
 
@@ -345,18 +316,17 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     state at the step without replay).
     """
     t0 = time.perf_counter()
-    model = _unwrap(model)
+    runtime = Runtime.of(runtime)
+    model = unwrap(model)
     check_not_attached(optimizer)
-    shard_spec = _check_params(optimizer)
+    shard_spec = check_params(optimizer)
     uri, step = _from_pointer(uri, step)
     storage = open_uri(uri, storage_options)
     if shard_spec is not None:
         memory = None
-        if runtime == "ray":
+        if runtime is Runtime.RAY:
             from ray_ckpt.runtime.client import ShardedMemoryTier
             memory = ShardedMemoryTier(run)
-        elif runtime != "local":
-            raise ValueError(f"runtime must be 'local' or 'ray', got {runtime!r}")
         out = _sharded.restore_sharded(storage, model, optimizer, shard_spec, step=step, scheduler=scheduler,
                                        scaler=scaler, extra_state=extra_state, fallback=fallback,
                                        restore_rng=restore_rng, memory=memory)
@@ -368,7 +338,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
             record_restore(storage, run, dt)
         return out
     chain = None
-    if runtime == "ray":
+    if runtime is Runtime.RAY:
         from ray_ckpt.runtime.client import load_via_coordinator
         try:
             got = load_via_coordinator(storage, step, run=run)
@@ -381,8 +351,6 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
             chain, tiers = got
             log.info("ray_ckpt: plan read %d objects from the memory tier, %d from storage", tiers["memory"],
                      tiers["durable"])
-    elif runtime != "local":
-        raise ValueError(f"runtime must be 'local' or 'ray', got {runtime!r}")
     if chain is None:
         chain = resolve_and_load(storage, step, fallback=fallback)
     out = apply_chain(chain, model, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
@@ -390,7 +358,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     dt = time.perf_counter() - t0
     log.info("ray_ckpt: restored step %d (full %d + %d diffs) from %s in %.3f s", out, chain.full.step,
              len(chain.records), storage.describe(), dt)
-    if runtime == "ray":
+    if runtime is Runtime.RAY:
         from ray_ckpt.runtime.client import record_restore
         record_restore(storage, run, dt)
     return out
@@ -437,9 +405,9 @@ def load_export(path: str | os.PathLike) -> dict:
     return _load(path)
 
 
-def _check_sharded_support(impl) -> None:
+def _check_sharded_support(impl, shard_spec) -> None:
     """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards)."""
-    if impl.name != "lowdiff":
+    if shard_spec is not None and impl.name != "lowdiff":
         raise NotImplementedError(f"sharded (FSDP2) state is checkpointed with LowDiff; {impl.name!r} is not "
                                   f"supported for it yet")
 

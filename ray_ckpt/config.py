@@ -1,10 +1,14 @@
-"""All tunables in one place. An explicit argument wins over a ``RAY_CKPT_*`` environment variable, which wins
-over the default. Pure: no torch, no Ray.
+"""All tunables in one place: the strategies' settings, :class:`CheckpointConfig` (the knobs of a Checkpointer,
+each with a ``RAY_CKPT_*`` environment override, resolved by :meth:`CheckpointConfig.resolve`) and
+:class:`Runtime`. Pure: no torch, no Ray.
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import os
 from dataclasses import dataclass, fields
+from enum import StrEnum
 
 _GiB = 1 << 30
 
@@ -164,9 +168,53 @@ class Amber:
         return 1 if self.lossless else 10
 
 
+class Runtime(StrEnum):
+    """Where a Checkpointer's captured steps go, and where :func:`ray_ckpt.restore` reads from. The plain strings
+    (``"local"``, ``"ray"``) are accepted wherever a Runtime is; :meth:`of` checks a choice once, at the entry
+    point."""
+
+    #: a writer thread in the training process writes to storage; no Ray
+    LOCAL = "local", "a writer thread in this process; no Ray"
+    #: the persistence actors (node workers, coordinator, state-tier replica) hold and write the steps
+    RAY = "ray", "the persistence actors; Ray initialized"
+
+    def __new__(cls, value: str, means: str):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.means = means
+        return member
+
+    @classmethod
+    def of(cls, value) -> "Runtime":
+        """``value`` (a Runtime or its string) as a Runtime; ValueError saying what is accepted. Any thread."""
+        try:
+            return cls(value)
+        except ValueError:
+            accepted = " or ".join(f"{r.value!r} ({r.means})" for r in cls)
+            raise ValueError(f"runtime must be {accepted}, got {value!r}") from None
+
+
+def _note_given(cls):
+    """Let each instance know which fields its constructor was given (:attr:`CheckpointConfig.given`)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **kw):
+        init(self, **kw)
+        object.__setattr__(self, "_given", frozenset(kw))
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_note_given
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
-    """Knobs of a :class:`ray_ckpt.Checkpointer`. Every field has a ``RAY_CKPT_<FIELD>`` env override."""
+    """Knobs of a :class:`ray_ckpt.Checkpointer` (``Checkpointer(..., config=CheckpointConfig(full_every=50))``).
+
+    Every field has a ``RAY_CKPT_<FIELD>`` environment override; :meth:`resolve` says which source wins. A
+    config remembers the fields it was constructed with (:attr:`given`): only those win over the environment
+    (``dataclasses.replace`` passes every field, so its result gives them all)."""
 
     #: take a full checkpoint every this many optimizer steps (and always at attach)
     full_every: int = 100
@@ -231,7 +279,7 @@ class CheckpointConfig:
     request_budget: float = 0.0
     #: the adaptive policy's longest full-checkpoint interval, steps
     max_full_every: int = 10_000
-    #: values given explicitly (argument or env): the adaptive policy does not change them. Set by resolve().
+    #: values given explicitly (keyword, config or env): the adaptive policy does not change them. Set by resolve().
     pinned: frozenset = frozenset()
 
     def __post_init__(self):
@@ -278,26 +326,46 @@ class CheckpointConfig:
                 "request_budget": self.request_budget, "max_full_every": self.max_full_every,
                 "memory_budget": float(self.max_pending_bytes)}
 
+    @property
+    def given(self) -> frozenset:
+        """The fields set explicitly: those passed to the constructor or, on a config from :meth:`resolve`, by a
+        keyword override or the config object (not by the environment)."""
+        return self.__dict__.get("_given", frozenset())
+
     @classmethod
-    def resolve(cls, **explicit) -> "CheckpointConfig":
-        """Build a config: explicit (non-None) arguments, then ``RAY_CKPT_*`` env vars, then defaults."""
-        kw = {}
-        pinned = set()
-        for f in fields(cls):
-            if f.name == "pinned":
-                continue
-            if f.name in ("full_every", "batch_steps") and (
-                    explicit.get(f.name) is not None or os.environ.get(f"RAY_CKPT_{f.name.upper()}")):
-                pinned.add(f.name)
-            if explicit.get(f.name) is not None:
-                kw[f.name] = explicit[f.name]
-                continue
-            cast = {bool: _bool, int: int, float: float}.get(type(f.default), str)
-            kw[f.name] = _env(f"RAY_CKPT_{f.name.upper()}", f.default, cast)
-        unknown = set(explicit) - {f.name for f in fields(cls)}
+    def resolve(cls, config: "CheckpointConfig | None" = None, /, **overrides) -> "CheckpointConfig":
+        """The config in force, field by field, from these sources; each wins over the ones above it:
+
+        1. the default;
+        2. the ``RAY_CKPT_<FIELD>`` environment variable, when set and not empty (parsed as the field's type);
+        3. the fields ``config`` was constructed with (:attr:`given`; the defaults it merely holds do not count);
+        4. the keyword ``overrides`` that are not None.
+
+        ``full_every``/``batch_steps`` set by 2-4 are pinned: the adaptive policy keeps them and only reports what
+        it would choose. An override that names no field raises TypeError naming the closest one. Any thread."""
+        names = [f.name for f in fields(cls) if f.name != "pinned"]
+        unknown = [n for n in overrides if n not in names]
         if unknown:
-            raise TypeError(f"unknown checkpoint options: {sorted(unknown)}")
-        return cls(**kw, pinned=frozenset(pinned))
+            raise TypeError("; ".join(_unknown(n, names) for n in unknown))
+        if config is not None and not isinstance(config, cls):
+            raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+        given = {n: getattr(config, n) for n in config.given if n != "pinned"} if config is not None else {}
+        given.update((n, v) for n, v in overrides.items() if v is not None)
+        kw, pinned = {}, set(config.pinned if config is not None else ())
+        for name, default in ((f.name, f.default) for f in fields(cls) if f.name != "pinned"):
+            env = f"RAY_CKPT_{name.upper()}"
+            kw[name] = given[name] if name in given else _env(env, default, _CASTS.get(type(default), str))
+            if name in ("full_every", "batch_steps") and (name in given or os.environ.get(env)):
+                pinned.add(name)
+        out = cls(**kw, pinned=frozenset(pinned))
+        object.__setattr__(out, "_given", frozenset(given))
+        return out
+
+
+def _unknown(name: str, names: list) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else f"; the options are {', '.join(names)}"
+    return f"unknown checkpoint option {name!r}{hint}"
 
 
 def _bool(s: str) -> bool:
@@ -310,3 +378,5 @@ def _bool(s: str) -> bool:
 
 
 _bool.__name__ = "bool"
+
+_CASTS = {bool: _bool, int: int, float: float}

@@ -221,7 +221,7 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
         if rank == 0:
             torch.save(glob, os.path.join(out, "global.pt"))
         ck._capture.flush_pending()
-        ck._writer.wait_safe()      # handed over and held (not necessarily durable)
+        ck._sink.wait_safe()      # handed over and held (not necessarily durable)
         dist.barrier()
         m1, o1, s1 = fsdp_model(41)
         older = ray_ckpt.restore(uri, m1, o1, scheduler=s1)      # storage alone: fulls only, no diffs yet

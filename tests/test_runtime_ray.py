@@ -136,7 +136,7 @@ class _Trainer:
         torch.set_num_threads(1)
         ck, *_ = _train(uri, run, steps)
         ck._capture.flush_pending()
-        ck._writer.flush()  # held in memory (and durable) on this node, replicated to the head
+        ck._sink.flush()  # held in memory (and durable) on this node, replicated to the head
         st = ray.get(_coord(run).status.remote())
         return st, ray.get_runtime_context().get_node_id()
 

@@ -125,14 +125,14 @@ def test_batches_are_one_actor_call_each_and_stay_whole(run_env):
     sch = T.make_scheduler(opt)
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=1000,
                                batch_steps=10, handoff_delay=30.0, replica=False)
-    sent0 = ck._writer.chunks_sent
+    sent0 = ck._sink.chunks_sent
     for s in range(40):
         T.train_step("mlp", model, opt, sch, s)
     # the default memory_budget (2 GiB) does not fit this node's 300 MiB object store: capped at 60 % of it (a
     # larger budget makes Ray spill held chunks to disk and back)
     assert ck.stats()["runtime"]["worker"]["memory_budget"] == int(0.6 * (300 << 20))
     ck.close()
-    sent = ck._writer.chunks_sent - sent0
+    sent = ck._sink.chunks_sent - sent0
     assert sent <= 40 // 10 + 1, sent   # at most one hand-off per batch (+1: the record finalized at close)
     lineage, _ = load_lineage(open_storage(uri))
     diffs = sorted((m.first_step, m.last_step) for m in lineage.manifests if m.kind == "diff")
@@ -330,7 +330,7 @@ def test_durable_diffs_fulls_keeps_diffs_in_memory_on_two_nodes_and_writes_fulls
                                batch_steps=2, replica=False, durable_diffs="fulls")
     for s in range(25):
         T.train_step("mlp", model, opt, sch, s)
-    ck._writer.wait_safe()            # every chunk held on two nodes (or, if its peer was late, written)
+    ck._sink.wait_safe()            # every chunk held on two nodes (or, if its peer was late, written)
     time.sleep(3.0)                   # past the coordinator's gap grace: released/unwritten diffs are no gap
     storage = open_storage(uri)
     lineage, _ = load_lineage(storage)

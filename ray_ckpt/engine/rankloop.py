@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ray_ckpt.engine.attachment import Attachment
 from ray_ckpt.engine.capture import CaptureBase
 from ray_ckpt.engine.restore import apply_loop, load_chain, load_lineage
 from ray_ckpt.engine.strategy import LowDiffImpl, register
@@ -115,37 +116,27 @@ class RankLoopRecorder:
         self.generation = lineage.next_generation()
         self.main_generation = main_generation
         impl = LoopImpl(_LoopOnly())
-        self._writer = AsyncWriter(self.storage, self.generation, impl, max_pending_bytes=max_pending_bytes,
-                                   info={MAIN_GENERATION: int(main_generation), "rank": rank},
-                                   index=lineage.manifests, max_batch_delay=max_batch_delay)
-        self._capture = LoopCapture(model, optimizer, self._writer, FixedFrequencyPolicy(full_every, batch_steps),
-                                    start_step=start_step, extra_state=extra_state)
-        try:
-            self._writer.submit(self._capture.snapshot_now())
-            self._writer.flush()
-        except BaseException:
-            self._capture.detach()
-            self._writer.close()
-            raise
-        self._closed = False
+        self._att = Attachment()
+        with self._att.releasing_on_error():
+            sink = self._att.hold_sink(AsyncWriter(
+                self.storage, self.generation, impl, max_pending_bytes=max_pending_bytes,
+                info={MAIN_GENERATION: int(main_generation), "rank": rank}, index=lineage.manifests,
+                max_batch_delay=max_batch_delay))
+            self._capture = self._att.hold_capture(LoopCapture(
+                model, optimizer, sink, FixedFrequencyPolicy(full_every, batch_steps), start_step=start_step,
+                extra_state=extra_state))
+            sink.submit(self._capture.snapshot_now())
+            sink.flush()
 
     @property
     def step(self) -> int:
         return self._capture.step
 
     def flush(self, timeout: float | None = None) -> None:
-        self._capture.flush_pending()
-        self._writer.flush(timeout)
+        self._att.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._capture.flush_pending()
-            self._writer.close(timeout)
-        finally:
-            self._capture.detach()
+        self._att.close(timeout)
 
 
 def _generation_lineage(storage, rank: int, main_generation: int) -> Lineage:

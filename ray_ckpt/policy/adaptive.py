@@ -27,6 +27,7 @@ behind and the training thread stalls).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
 
 from ray_ckpt.policy.cost import CostInputs, CostModel
@@ -386,6 +387,44 @@ def make_tuner(full_every: int, batch_steps: int, *, pinned=frozenset(), mtbf_hi
                     memory_budget=memory_budget, request_budget=request_budget)
     return PolicyTuner(model, limits=limits, full_every=full_every, batch_steps=batch_steps,
                        pinned=frozenset(pinned), policy=policy)
+
+
+class CommitFeed:
+    """runtime="local": the adaptive policy inside the training process, fed by the writer thread's commits.
+
+    :attr:`policy` goes to the capture (its ``decide`` runs on the training thread, O(1)). :meth:`observe` is the
+    writer's commit callback (writer thread): it feeds the cost model the persistence time spent since the previous
+    commit, re-decides (rate-limited, :meth:`PolicyTuner.decide`) and publishes the report to ``storage`` when the
+    choice changed. ``options``: the keywords of :func:`make_tuner` (``CheckpointConfig.policy_options()``). Built
+    at attach, in the training thread."""
+
+    def __init__(self, storage, full_every: int, batch_steps: int, *, pinned=frozenset(), **options):
+        self.policy = AdaptivePolicy(full_every, batch_steps, pinned=pinned, clock=time.perf_counter)
+        self.tuner = make_tuner(full_every, batch_steps, pinned=pinned, started_at=time.time(), policy=self.policy,
+                                **options)
+        self.storage = storage
+        self._seen = (0.0, 0.0)
+
+    def observe(self, m, sink, capture=None) -> None:
+        """Writer thread: manifest ``m`` was committed by ``sink`` (its cumulative ``stats`` and its
+        ``pending_bytes`` are read); ``capture``: the attach's capture (None while it is built), whose
+        ``last_snapshot_seconds`` is what a full blocked the training thread."""
+        st = sink.stats
+        write_s, encode_s = st.write_seconds - self._seen[0], st.encode_seconds - self._seen[1]
+        self._seen = (st.write_seconds, st.encode_seconds)
+        block = capture.last_snapshot_seconds if (m.kind == "full" and capture is not None) else None
+        self.tuner.observe_commit(kind=m.kind, nbytes=m.nbytes, write_s=write_s, encode_s=encode_s,
+                                  steps=m.last_step - m.first_step + 1, block_s=block)
+        self.tuner.model.observe_memory("writer", sink.pending_bytes)
+        before = len(self.tuner.history)
+        now = time.time()
+        self.tuner.decide(now)
+        if len(self.tuner.history) != before:
+            publish_report(self.storage, self.tuner.report(now))
+
+    def report(self) -> dict:
+        """:meth:`PolicyTuner.report` now. Any thread."""
+        return self.tuner.report(time.time())
 
 
 def observe_manifest_commit(tuner: PolicyTuner, *, kind: str, first_step: int, last_step: int, nbytes: int,
