@@ -1,0 +1,100 @@
+"""Paired, interleaved blocks in the same processes, written once (``benchmarks.paired``, ``benchmarks.fsdp``).
+
+Identical replicas of a job (same seed, same batches) live in the same rank processes; each is an :class:`Arm`:
+the replica plus what it does after each step and at the end of its block. They take turns in blocks of ``k``
+steps, the order of a round taken from a rotating list of orders (A B, B A, ... or all permutations of three),
+so that drift of a shared machine cancels. Each block is timed in wall time and in the training thread's CPU
+time (``time.thread_time``), its end (a flush, waiting for a save) included. Every round gives one paired
+difference per arm against the reference arm (:func:`overheads`, with the estimators of
+:mod:`benchmarks.report`).
+
+Runs in the forked rank processes (:func:`run_block`, :func:`warm_up`, :func:`run_blocks`) and in the
+orchestrator (:func:`overheads`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from benchmarks import report
+
+
+@dataclass
+class Arm:
+    """One replica of the job in a rank process and what it does around its steps."""
+
+    job: Any                                         # a :class:`benchmarks.jobs.Job` (batches, loss)
+    net: Any                                         # what the forward pass goes through (DDP, an FSDP2 model)
+    opt: Any
+    sched: Any
+    after_step: Callable[[int], None] | None = None  # training thread, after each step (the step count)
+    end: Callable[[], None] | None = None            # the block's end, timed inside the block (flush, wait)
+    keep: tuple[str, ...] = ()                       # extra block fields to record: "steps_s", "flush_s"
+
+
+def run_block(arm: Arm, first: int, n: int, rank: int, device) -> dict:
+    """Train ``arm`` for steps ``first .. first + n - 1`` and end its block. Returns the block's wall time ``s``,
+    the training thread's CPU ``cpu_s``, the per-step wall times ``steps_s`` and the end's share ``flush_s``."""
+    job, opt, sched = arm.job, arm.opt, arm.sched
+    t0, c0 = time.perf_counter(), time.thread_time()
+    steps = []
+    for step in range(first, first + n):
+        ts = time.perf_counter()
+        x, y = job.batch(step, rank, device)
+        loss = job.loss(arm.net, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if arm.after_step is not None:
+            arm.after_step(step + 1)
+        steps.append(time.perf_counter() - ts)
+    tf = time.perf_counter()
+    if arm.end is not None:
+        arm.end()
+    t1 = time.perf_counter()
+    return {"s": t1 - t0, "cpu_s": time.thread_time() - c0, "steps_s": steps, "flush_s": t1 - tf}
+
+
+def warm_up(arms: dict[str, Arm], steps: int, rank: int, device) -> None:
+    """The unmeasured first ``steps`` steps of every arm, one after the other (in ``arms``' order)."""
+    for arm in arms.values():
+        run_block(arm, 0, steps, rank, device)
+
+
+def run_blocks(arms: dict[str, Arm], orders: list[tuple[str, ...]], rounds: int, first: int, k: int, rank: int,
+               device, fulls: Callable[[], int] | None = None) -> list[dict]:
+    """``rounds`` rounds of one block of ``k`` steps per arm, from step ``first``; round ``i`` runs the arms in
+    ``orders[i % len(orders)]``. Barriers before and after. Per round: ``<arm>_s``, ``<arm>_cpu_s`` and the arm's
+    ``keep`` fields, ``order``, and ``full``: whether the counter ``fulls`` (full checkpoints taken) grew."""
+    import torch.distributed as dist
+    blocks = []
+    dist.barrier()
+    for i in range(rounds):
+        start = first + i * k
+        fulls0 = fulls() if fulls is not None else 0
+        order = orders[i % len(orders)]
+        res = {name: run_block(arms[name], start, k, rank, device) for name in order}
+        block = {}
+        for name, arm in arms.items():
+            for key in ("s", "cpu_s") + arm.keep:
+                block[f"{name}_{key}"] = res[name][key]
+        block["order"] = "".join(order)
+        block["full"] = bool(fulls is not None and fulls() > fulls0)
+        blocks.append(block)
+    dist.barrier()
+    return blocks
+
+
+def overheads(blocks: list[dict], arm: str, ref: str, stratified: bool) -> dict:
+    """Orchestrator: the paired overheads of ``arm`` against ``ref`` (%, per block pair), in wall time (``wall_*``)
+    and in the training thread's CPU (``thread_cpu_*``): ``<basis>_pairs_pct``, ``<basis>_overhead_pct`` and
+    ``<basis>_ci95_pct`` (:func:`benchmarks.report.overhead_fields`; with ``stratified``, the blocks holding a
+    full checkpoint are the rare stratum)."""
+    out = {}
+    rare = [b["full"] for b in blocks] if stratified else None
+    for basis, suffix in (("wall", "_s"), ("thread_cpu", "_cpu_s")):
+        d = [100 * (b[arm + suffix] / b[ref + suffix] - 1) for b in blocks]
+        out.update({f"{basis}_{k}": v for k, v in report.overhead_fields(d, rare).items()})
+    return out

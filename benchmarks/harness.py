@@ -1,0 +1,185 @@
+"""The benchmarks' process machinery, written once: job specs, the imports done before forking, forked rank
+processes (JSON in: a dict each rank receives; JSON out: ``result_rank<r>.json`` or ``error_rank<r>.json``),
+reaping them, their process group, and a private local Ray the ranks connect to.
+
+Runs in the orchestrating process of every benchmark (``benchmarks.run``, ``benchmarks.paired``,
+``benchmarks.fsdp``), except :func:`rank_main`, :func:`init_process_group` and :func:`connect_ray`, which run in a
+forked rank process.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import time
+
+from benchmarks import jobs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+#: the namespace every benchmark process joins the private Ray in
+RAY_NAMESPACE = "ray_ckpt_bench"
+
+
+def parse_job(s: str) -> jobs.JobSpec:
+    """``kind:size:batch[:lr]``, e.g. ``gpt:10m:4`` or ``cnn:small:32``."""
+    parts = s.split(":")
+    if len(parts) not in (3, 4):
+        raise argparse.ArgumentTypeError(f"job must be kind:size:batch[:lr], got {s!r}")
+    spec = jobs.JobSpec(parts[0], parts[1], int(parts[2]), *(float(p) for p in parts[3:]))
+    if spec.kind not in ("gpt", "cnn", "mlp"):
+        raise argparse.ArgumentTypeError(f"job kind must be gpt, cnn or mlp, got {spec.kind!r}")
+    return spec
+
+
+def threads_per_rank(threads: int | None, world: int) -> int:
+    """``threads`` when given, else the machine's cores shared out among ``world`` ranks (at least 1)."""
+    return threads or max(1, (os.cpu_count() or 1) // world)
+
+
+def preimport() -> None:
+    """Import here, once, what the ranks would otherwise import after every fork: DDP's constructor alone
+    pulls in torch._dynamo (sympy, ...), 10 s per process on a busy 2-core machine. Imports start no threads
+    (checked), so forking stays clean; nothing here initializes Ray or runs torch compute."""
+    import threading
+
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.profiler  # noqa: F401
+
+    import examples.gpt  # noqa: F401
+    import ray_ckpt  # noqa: F401
+    import ray_ckpt.compression  # noqa: F401
+    try:
+        import ray.train.torch  # noqa: F401
+        import ray_ckpt.runtime.client  # noqa: F401
+        import ray_ckpt.runtime.coordinator  # noqa: F401
+    except ImportError:
+        pass
+    if threading.active_count() != 1:
+        print(f"[bench] warning: {threading.active_count()} threads before forking", flush=True)
+
+
+def logger(prefix: str, start: float | None = None):
+    """A ``log(msg)`` printing ``[prefix <clock>] msg``: seconds since ``start`` when given, else the time of day."""
+    def log(msg: str) -> None:
+        clock = f"{time.time() - start:7.1f}s" if start is not None else time.strftime("%H:%M:%S")
+        print(f"[{prefix} {clock}] {msg}", flush=True)
+    return log
+
+
+# ------------------------------------------------------------------------------------------------------------
+# forked rank processes
+# ------------------------------------------------------------------------------------------------------------
+_FORK = mp.get_context("fork")
+
+
+def spawn(target, args) -> mp.Process:
+    """Fork one process running ``target(*args)`` (the orchestrator has imported torch; see :func:`preimport`)."""
+    p = _FORK.Process(target=target, args=args, daemon=False)
+    p.start()
+    return p
+
+
+def reap(procs, timeout, grace: float = 20.0) -> bool:
+    """Wait for ``procs``; once one fails, give the others ``grace`` seconds (they may wait on it in a
+    collective forever), then end them. False when something had to be killed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+        for p in procs:
+            p.join(0.2)
+    ok = not any(p.is_alive() for p in procs)
+    for p in procs:
+        if p.is_alive():
+            p.kill()  # our own child, by its handle
+            p.join(10)
+    return ok
+
+
+def rank_main(rank: int, directory: str, body) -> None:
+    """The body of a forked rank process: ``body(out)`` fills the dict ``out``; it is written to
+    ``directory/result_rank<rank>.json``, or with the error and its traceback to ``error_rank<rank>.json``; then
+    the process exits at once (0 or 1; no atexit handlers of the parent's)."""
+    out: dict = {"rank": rank}
+    try:
+        body(out)
+        name = f"result_rank{rank}.json"
+    except BaseException as e:  # noqa: BLE001 - reported to the orchestrator
+        import traceback
+        out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        name = f"error_rank{rank}.json"
+    with open(os.path.join(directory, name), "w") as f:
+        json.dump(out, f)
+    os._exit(0 if "error" not in out else 1)
+
+
+def read_json(path):
+    """The JSON in ``path``, or None when it is missing or unreadable (a process that died before writing)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def rank_results(directory: str, world: int) -> tuple[list, list]:
+    """``(results, errors)`` of ``world`` ranks that wrote into ``directory``: the result of each rank (None where
+    it wrote none) and the error reports that were written."""
+    results = [read_json(os.path.join(directory, f"result_rank{r}.json")) for r in range(world)]
+    errors = [read_json(os.path.join(directory, f"error_rank{r}.json")) for r in range(world)]
+    return results, [e for e in errors if e]
+
+
+def _ranked(rank: int, body, cell: dict) -> None:
+    rank_main(rank, cell["dir"], lambda out: body(rank, cell, out))
+
+
+def run_ranks(body, cell: dict, timeout: float) -> tuple[bool, list[dict]]:
+    """Fork ``cell["world"]`` ranks, each running ``body(rank, cell, out)`` (``out``: its JSON result), and reap
+    them. Returns whether all ended in time, and per rank its result, its error report, or
+    ``{"rank": r, "error": ...}`` when it wrote neither (killed or timed out)."""
+    procs = [spawn(_ranked, (r, body, cell)) for r in range(cell["world"])]
+    finished = reap(procs, timeout)
+    d = cell["dir"]
+    return finished, [read_json(os.path.join(d, f"result_rank{r}.json"))
+                      or read_json(os.path.join(d, f"error_rank{r}.json"))
+                      or {"rank": r, "error": "no result (killed or timed out)"} for r in range(cell["world"])]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# inside a rank
+# ------------------------------------------------------------------------------------------------------------
+def init_process_group(cell: dict, rank: int, backend: str = "gloo") -> None:
+    """Rank process: join the cell's process group (a file store in the cell's directory)."""
+    import torch.distributed as dist
+    dist.init_process_group(backend, init_method=f"file://{cell['dir']}/pg_store", rank=rank,
+                            world_size=cell["world"])
+
+
+def connect_ray(address: str) -> None:
+    """Rank process: connect to the benchmark's private Ray (once)."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False, configure_logging=False)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# a private local Ray
+# ------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def private_ray(temp_dir: str, num_cpus: int, object_store_mb: int):
+    """Orchestrator: a private one-node Ray, started before the ranks fork (they connect to its address; nothing
+    Ray in this process), stopped on exit. Yields the :class:`benchmarks.rayhost.RayHost` (``.address``)."""
+    from benchmarks.rayhost import RayHost
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private cluster; every process that joins agrees
+    host = RayHost(temp_dir, num_cpus=num_cpus, object_store_bytes=object_store_mb << 20)
+    host.start()
+    try:
+        yield host
+    finally:
+        host.stop()
