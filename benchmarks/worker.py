@@ -212,14 +212,32 @@ def _torch_load_into(path: str, model, opt, sched) -> int:
     return int(sd["step"])
 
 
-class TorchSave(Saver):
+class TorchFileSaver(Saver):
+    """A saver whose checkpoint is one ``torch.save`` file, ``FILE`` in the segment's directory (rank 0)."""
+
+    FILE = ""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.path = os.path.join(ctx.dir, self.FILE)
+
+    def recovery(self, ctx):
+        return _torch_load_recovery(ctx, self.path)
+
+    @classmethod
+    def recover_latest(cls, ctx):
+        m, o, s = ctx.fresh()
+        path = os.path.join(ctx.dir, cls.FILE)
+        return _torch_load_into(path, m, o, s) if os.path.exists(path) else 0
+
+
+class TorchSave(TorchFileSaver):
     """``torch.save`` of the full state every ``every`` steps (rank 0), temp file + ``os.replace``."""
 
     FILE = "torch_save.pt"
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.path = os.path.join(ctx.dir, self.FILE)
         self.bytes = 0
         self.saves = 0
 
@@ -235,15 +253,6 @@ class TorchSave(Saver):
     def finish(self):
         return {"bytes_loop": self.bytes, "saves": self.saves}
 
-    def recovery(self, ctx):
-        return _torch_load_recovery(ctx, self.path)
-
-    @classmethod
-    def recover_latest(cls, ctx):
-        m, o, s = ctx.fresh()
-        path = os.path.join(ctx.dir, cls.FILE)
-        return _torch_load_into(path, m, o, s) if os.path.exists(path) else 0
-
 
 def _torch_load_recovery(ctx, path):
     if not os.path.exists(path):  # no save inside the loop (fewer steps than the period)
@@ -253,7 +262,7 @@ def _torch_load_recovery(ctx, path):
     return {"torch_load": {"seconds": t, "step": step, "samples": samples}}
 
 
-class CheckFreq(Saver):
+class CheckFreq(TorchFileSaver):
     """CheckFreq-style two-phase checkpoint: snapshot to preallocated host buffers (after the previous persist
     finished), then persist with ``torch.save`` in a background thread. Rank 0."""
 
@@ -261,7 +270,6 @@ class CheckFreq(Saver):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.path = os.path.join(ctx.dir, self.FILE)
         self.buffers: dict[str, torch.Tensor] = {}
         self.thread: threading.Thread | None = None
         self.bytes = 0
@@ -317,15 +325,6 @@ class CheckFreq(Saver):
     def finish(self):
         self._wait()
         return {"bytes_loop": self.bytes, "saves": self.saves, "stall_seconds": self.stall}
-
-    def recovery(self, ctx):
-        return _torch_load_recovery(ctx, self.path)
-
-    @classmethod
-    def recover_latest(cls, ctx):
-        m, o, s = ctx.fresh()
-        path = os.path.join(ctx.dir, cls.FILE)
-        return _torch_load_into(path, m, o, s) if os.path.exists(path) else 0
 
 
 class AsyncDCP:
