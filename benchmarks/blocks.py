@@ -36,17 +36,11 @@ class Arm:
 def run_block(arm: Arm, first: int, n: int, rank: int, device) -> dict:
     """Train ``arm`` for steps ``first .. first + n - 1`` and end its block. Returns the block's wall time ``s``,
     the training thread's CPU ``cpu_s``, the per-step wall times ``steps_s`` and the end's share ``flush_s``."""
-    job, opt, sched = arm.job, arm.opt, arm.sched
     t0, c0 = time.perf_counter(), time.thread_time()
     steps = []
     for step in range(first, first + n):
         ts = time.perf_counter()
-        x, y = job.batch(step, rank, device)
-        loss = job.loss(arm.net, x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
+        arm.job.train_step(arm.net, arm.opt, arm.sched, step, rank, device)
         if arm.after_step is not None:
             arm.after_step(step + 1)
         steps.append(time.perf_counter() - ts)

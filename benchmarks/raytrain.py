@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks import configs, jobs
-from benchmarks.worker import Ctx, build_training, peak_rss_bytes, reset_peak_rss, sync, train_step
+from benchmarks.worker import Ctx, build_training, peak_rss_bytes, reset_peak_rss, sync
 
 
 def _ckpt_step(ckpt, rnd: int) -> int:
@@ -66,7 +66,7 @@ def train_loop(seg: dict) -> None:
                 if step == seg["warmup"]:
                     cpu0 = time.process_time()
                 t0, c0 = time.perf_counter(), time.thread_time()
-                train_step(ctx, step)
+                ctx.job.train_step(ctx.ddp, ctx.opt, ctx.sched, step, rank, device)
                 if report:
                     ckpt = None
                     if rank == 0:

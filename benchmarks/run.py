@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=sorted(MODES), default="quick")
     p.add_argument("--smoke", action="store_true", help="same as --mode smoke")
     p.add_argument("--out", default=harness.RESULTS)
-    p.add_argument("--jobs", nargs="+", type=harness.parse_job, help="kind:size:batch[:lr] (gpt presets: tiny small "
-                   "10m 25m; cnn sizes: tiny small base); default per mode")
+    p.add_argument("--jobs", nargs="+", type=harness.parse_job, help="kind:size:batch[:lr] (gpt presets: tiny "
+                   "small 10m 25m; cnn sizes: tiny small base); default per mode")
     p.add_argument("--configs", nargs="+", help=f"subset of {[c.name for c in configs.CONFIGS]} (references "
                    "are added automatically)")
     p.add_argument("--rounds", type=int)
@@ -88,8 +88,7 @@ def resolve(args) -> argparse.Namespace:
     for k, v in preset.items():
         if getattr(args, k, None) is None:
             setattr(args, k, [harness.parse_job(j) for j in v] if k == "jobs" else v)
-    if args.threads is None:
-        args.threads = max(1, (os.cpu_count() or 1) // args.world)
+    args.threads = harness.threads_per_rank(args.threads, args.world)
     if args.full_every is None:
         args.full_every = args.steps  # one in-loop full per segment, inside the measured window
     if not args.warmup < args.full_every <= args.warmup + args.steps:

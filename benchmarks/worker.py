@@ -359,13 +359,13 @@ class AsyncDCP:
         self.saves += 1
         self.fut = None
 
-    def save(self, model, opt, step: int, **extra) -> None:
+    def save(self, model, opt, step: int, extra: dict | None = None) -> None:
         """Wait for the previous save, then start one of ``model`` and ``opt`` (and ``extra``) at ``step``."""
         t0 = time.perf_counter()
         self.wait()
         self.stall += time.perf_counter() - t0
         msd, osd = self.get_state_dict(model, opt)
-        out = self.dcp.async_save({"model": msd, "optim": osd, **extra}, checkpoint_id=self.dir(step),
+        out = self.dcp.async_save({"model": msd, "optim": osd, **(extra or {})}, checkpoint_id=self.dir(step),
                                   process_group=self.group)
         self.fut = getattr(out, "upload_completion", out)  # AsyncSaveResponse in newer torch, else a Future
         self.fut_step = step
@@ -382,7 +382,7 @@ class DCPAsync(Saver):
     def after_step(self, step):
         if step % self.ctx.cfg.every:
             return
-        self.writer.save(self.ctx.ddp, self.ctx.opt, step, step=step)
+        self.writer.save(self.ctx.ddp, self.ctx.opt, step, {"step": step})
 
     def finish(self):
         self.writer.wait()
@@ -617,16 +617,6 @@ def build_training(ctx: Ctx) -> None:
     ctx.sched = jobs.make_scheduler(ctx.opt, total=ctx.total_steps)
 
 
-def train_step(ctx: Ctx, step: int) -> float:
-    x, y = ctx.job.batch(step, ctx.rank, ctx.device)
-    loss = ctx.job.loss(ctx.ddp, x, y)
-    ctx.opt.zero_grad(set_to_none=True)
-    loss.backward()
-    ctx.opt.step()
-    ctx.sched.step()
-    return loss
-
-
 def segment_main(rank: int, seg: dict) -> None:
     """Entry of one forked rank process. Writes ``result_rank<r>.json`` (or ``error_rank<r>.json``)."""
     harness.rank_main(rank, seg["dir"], lambda out: _segment(rank, seg, out))
@@ -657,7 +647,7 @@ def _segment(rank: int, seg: dict, out: dict) -> None:
             cpu0, aux0, roles0 = time.process_time(), saver.aux_cpu_seconds(), saver.aux_cpu_roles()
             gcm.on = True
         t0, c0 = time.perf_counter(), time.thread_time()
-        train_step(ctx, step)
+        ctx.job.train_step(ctx.ddp, ctx.opt, ctx.sched, step, rank, device)
         saver.after_step(step + 1)
         sync(device)
         times.append(time.perf_counter() - t0)
