@@ -1,4 +1,4 @@
-"""Amber's selection pass against the machine's memory bandwidth (issue #17, item 1).
+"""Amber's selection pass against the machine's memory bandwidth.
 
     .venv/bin/python -m benchmarks.amber_select [--size 10m] [--repeats 7] [--out benchmarks/results]
 
@@ -18,7 +18,7 @@ situation), over the tracked state of one step (parameters + AdamW moments, the 
   average per step over the ``optimizer_every`` schedule.
 
 Throughput = tracked-state bytes read / seconds (median of ``--repeats``); the ratio to a copy of the same
-bytes is the figure the issue's goal (within 4x of memcpy) is read on. Configurations: ``Amber()``
+bytes is the figure the goal (within 4x of memcpy) is read on. Configurations: ``Amber()``
 (parameters at 2%, sparse encoding; AdamW moments lossless, XOR + zstd) and ``Amber(threshold=0)`` (all
 lossless). Writes
 ``amber_select.json`` and ``.md``.

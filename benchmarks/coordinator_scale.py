@@ -1,4 +1,4 @@
-"""How the coordinator's periodic work grows with the length of a run (issue #11).
+"""How the coordinator's periodic work grows with the length of a run.
 
 A run checkpointing every step at 100 steps/s in 10-step chunks gives the coordinator 10 objects a second:
 36,000 after an hour. Its periodic calls (the sender's ``control`` and the metrics' ``status``, each about once a

@@ -1,5 +1,5 @@
 """FSDP2 every-step checkpointing: ray_ckpt's shard lineages vs PyTorch DCP ``async_save`` every step vs none,
-interleaved in the same processes (issue #15's benchmark row).
+interleaved in the same processes.
 
     .venv/bin/python -m benchmarks.fsdp                 # make bench-fsdp: GPT 10.9M, 2 gloo ranks, ~10 min
     .venv/bin/python -m benchmarks.fsdp --quick         # a smoke run (small GPT, 3 rounds)

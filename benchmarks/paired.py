@@ -1,12 +1,12 @@
-"""Paired, interleaved measurement of LowDiff's overhead, fine enough to resolve 1% of a step (issue #14).
+"""Paired, interleaved measurement of LowDiff's overhead, fine enough to resolve 1% of a step.
 
     .venv/bin/python -m benchmarks.paired                      # make bench-paired: GPT 10.9M, 2 ranks, ~12 min
     .venv/bin/python -m benchmarks.paired --scaling            # make bench-scaling: 10M/40M/100M x 1/2/4 workers
     .venv/bin/python -m benchmarks.paired --help
 
-Why a second harness: :mod:`benchmarks.run` compares configurations in separate processes, one after the other;
-on a shared 2-core machine two such segments differ by several percent for reasons that have nothing to do with
-checkpointing, so a 1% overhead stays invisible. Here the *same processes* train two identical replicas of the
+Why blocks in the same processes (:mod:`benchmarks.blocks`): :mod:`benchmarks.run` compares configurations in
+separate processes, one after the other; on a shared 2-core machine two such segments differ by several percent
+for reasons that have nothing to do with checkpointing, so a 1% overhead stays invisible. Here the *same processes* train two identical replicas of the
 job — same seed, same batches, each with its own DDP over the same process group and the same top-k hook — and
 alternate between them in blocks of ``block_steps`` steps (order A B, B A, A B, ...: linear drift cancels):
 
@@ -45,7 +45,7 @@ import time
 
 from benchmarks import blocks, harness, jobs, report
 
-#: the scaling cells (issue #14 item 5): model size at 2 workers, and worker count at 10M
+#: the scaling cells: model size at 2 workers, and worker count at 10M
 SCALING = [("gpt:10m:4", 1), ("gpt:10m:4", 2), ("gpt:10m:4", 4), ("gpt:40m:2", 2), ("gpt:100m:1", 2)]
 
 
@@ -149,12 +149,12 @@ def _checkpointer(rank: int, cell: dict, a: blocks.Arm):
         harness.connect_ray(cell["ray_address"])
         rt = {"runtime": "ray", "run": f"paired-{cell.get('strategy', 'lowdiff')}"}
     strategy = ray_ckpt.Amber() if cell.get("strategy") == "amber" else ray_ckpt.LowDiff()
-    ck = ray_ckpt.Checkpointer(uri_of(cell), a.net, a.opt, scheduler=a.sched, strategy=strategy, **rt, **pinned)
+    ck = ray_ckpt.Checkpointer(_uri(cell), a.net, a.opt, scheduler=a.sched, strategy=strategy, **rt, **pinned)
     ck.flush()
     return ck
 
 
-def uri_of(cell: dict) -> str:
+def _uri(cell: dict) -> str:
     return os.path.join(cell["dir"], "ckpt")
 
 
@@ -234,7 +234,7 @@ def _restores(cell: dict, spec: jobs.JobSpec, total: int, a: blocks.Arm, out: di
     import torch
 
     import ray_ckpt
-    uri, dev = uri_of(cell), torch.device("cpu")
+    uri, dev = _uri(cell), torch.device("cpu")
 
     def restore_latest():
         """Median of 3 restores of the latest step into fresh objects: seconds, step, the last restored job."""
@@ -302,7 +302,7 @@ def summarize(cell: dict, r0: dict) -> dict:
 
 
 def targets(cells: list[dict]) -> dict:
-    """Issue #14's targets on the main cell (the first): <= 1% judged on the CI's upper bound, and the CI no
+    """The targets on the main cell (the first): <= 1% judged on the CI's upper bound, and the CI no
     wider than +-0.5% of step time; bitwise restores everywhere."""
     t = {}
     c = cells[0]
@@ -323,7 +323,7 @@ def targets(cells: list[dict]) -> dict:
     if tier:
         t["amber_tier_restores_within_bound"] = {
             "cells": len(tier), "verdict": "met" if all(x.get("restore_tier_within_bound") for x in tier) else "missed"}
-    # issue #17: Amber's overhead on the trainer <= LowDiff dense's + 1 point; the two cells have separate
+    # Amber's overhead on the trainer <= LowDiff dense's + 1 point; the two cells have separate
     # intervals (each paired with its own reference), so: met when Amber's upper bound is below LowDiff's lower
     # bound + 1, missed when Amber's lower bound is above LowDiff's upper bound + 1, inconclusive otherwise
     dense = [x for x in lossless if x.get("hook") == "none" and x.get("strategy", "lowdiff") == "lowdiff"]

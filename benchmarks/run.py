@@ -36,7 +36,7 @@ MODES = {
     # quick: both jobs, small sizes (< ~3 min on 2 cores)
     "quick": dict(jobs=["gpt:tiny:8", "cnn:tiny:16"], rounds=2, steps=12, warmup=3, recover_repeats=2,
                   fail_trials=1),
-    # fast steps (issue #11): Ray Train's Fashion-MNIST MLP at ~100 steps/s, where per-step fixed cost shows;
+    # fast steps: Ray Train's Fashion-MNIST MLP at ~100 steps/s, where per-step fixed cost shows;
     # many short interleaved rounds so that the paired-round confidence interval is tight enough to judge
     "fast": dict(jobs=["mlp:fmnist:32:0.001"], rounds=6, steps=150, warmup=30, recover_repeats=1, fail_trials=0,
                  configs=["none", "torch_save_1", "dcp_async", "lowdiff_dense", "lowdiff_dense_ray",

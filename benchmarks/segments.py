@@ -209,7 +209,7 @@ def targets(summ: dict) -> dict:
             t["bytes_per_step_le_1pct"] = {"diff_only_pct": 100 * ld["diff_fraction_of_full"],
                                            "with_fulls_pct": 100 * ld.get("fraction_of_full", float("nan")),
                                            "verdict": "met" if ld["diff_fraction_of_full"] <= 0.01 else "missed"}
-    # issue #11 (fast steps): checkpointing every step costs <= 25% dense, <= 10% top-k (paired-round 95% CI)
+    # fast steps: checkpointing every step costs <= 25% dense, <= 10% top-k (paired-round 95% CI)
     for name, limit in (("lowdiff_dense", 25.0), ("lowdiff_dense_ray", 25.0), ("lowdiff_dense_ray_fulls", 25.0),
                         ("lowdiff_topk", 10.0), ("lowdiff_topk_ray", 10.0)):
         s = summ.get(name)
@@ -225,7 +225,7 @@ def targets(summ: dict) -> dict:
             sp = d["seconds"] / m["seconds"]
             t[f"memory_vs_durable_{point}"] = {"speedup": sp, "memory_s": m["seconds"], "durable_s": d["seconds"],
                                                "verdict": "met" if sp >= 3 else "missed"}
-    # issue #10: the latest step from the replica >= 10x faster than the durable chain, within 3x of one copy
+    # the state tier: the latest step from the replica >= 10x faster than the durable chain, within 3x of one copy
     m, d, cp = rec.get("memory_latest"), rec.get("durable_latest"), rec.get("copy_state")
     if m and d and cp and m["seconds"]:
         t["replica_latest_vs_durable_chain"] = {"speedup": d["seconds"] / m["seconds"], "replica_s": m["seconds"],
