@@ -265,7 +265,7 @@ def main(argv=None) -> int:
         harness.logger("fsdp")(f"GPT {spec.size}, {args.world} ranks: {args.rounds} rounds x 3 blocks x "
                                f"{args.block_steps} steps")
         t0 = time.perf_counter()
-        _, res = harness.run_ranks(_worker, cell, args.timeout)
+        res = harness.run_ranks(_worker, cell, args.timeout)
     shutil.rmtree(d, ignore_errors=True)
     errors = [x for x in res if "error" in x]
     result = {"date": report.now(), "machine": report.machine_info("cpu"), "settings": vars(args), "errors": errors,

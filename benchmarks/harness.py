@@ -13,6 +13,8 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 
 from benchmarks import jobs
@@ -139,14 +141,14 @@ def _ranked(rank: int, body, cell: dict) -> None:
     rank_main(rank, cell["dir"], lambda out: body(rank, cell, out))
 
 
-def run_ranks(body, cell: dict, timeout: float) -> tuple[bool, list[dict]]:
+def run_ranks(body, cell: dict, timeout: float) -> list[dict]:
     """Fork ``cell["world"]`` ranks, each running ``body(rank, cell, out)`` (``out``: its JSON result), and reap
-    them. Returns whether all ended in time, and per rank its result, its error report, or
-    ``{"rank": r, "error": ...}`` when it wrote neither (killed or timed out)."""
+    them. Per rank: its result, its error report, or ``{"rank": r, "error": ...}`` when it wrote neither (killed
+    or timed out)."""
     procs = [spawn(_ranked, (r, body, cell)) for r in range(cell["world"])]
-    finished = reap(procs, timeout)
+    reap(procs, timeout)
     d = cell["dir"]
-    return finished, [read_json(os.path.join(d, f"result_rank{r}.json"))
+    return [read_json(os.path.join(d, f"result_rank{r}.json"))
                       or read_json(os.path.join(d, f"error_rank{r}.json"))
                       or {"rank": r, "error": "no result (killed or timed out)"} for r in range(cell["world"])]
 
@@ -171,11 +173,62 @@ def connect_ray(address: str) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # a private local Ray
 # ------------------------------------------------------------------------------------------------------------
+class RayHost:
+    """The orchestrator's handle on a private local Ray, hosted by the process ``python -m benchmarks.rayhost``:
+    ``start()``, ``.address``, ``stop()``."""
+
+    def __init__(self, temp_dir: str, num_cpus: int, object_store_bytes: int):
+        self.temp_dir, self.num_cpus, self.osm = temp_dir, num_cpus, object_store_bytes
+        self.proc: subprocess.Popen | None = None
+        self.address: str | None = None
+
+    def start(self, timeout: float = 120.0) -> str:
+        os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
+        env = dict(os.environ)
+        env["RAY_TMPDIR"] = self.temp_dir  # where a plain ray.init() would look: ours, not /tmp/ray
+        self.log = open(os.path.join(self.temp_dir, "rayhost.log"), "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.rayhost", os.path.join(self.temp_dir, "ray"),
+                                      str(self.num_cpus), str(self.osm)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, env=env)
+        deadline = time.monotonic() + timeout
+        line = b""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.strip().startswith(b"{"):
+                break
+            if self.proc.poll() is not None:
+                break
+        if not line.strip().startswith(b"{"):
+            self.stop()
+            try:
+                with open(os.path.join(self.temp_dir, "rayhost.log"), errors="replace") as f:
+                    tail = f.read()[-3000:]
+            except OSError:
+                tail = ""
+            raise RuntimeError(f"the benchmark's Ray cluster did not start:\n{tail}")
+        self.address = json.loads(line)["address"]
+        return self.address
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # our own child, by its handle
+            self.proc.wait(timeout=10)
+        self.proc = None
+        self.log.close()
+
+
 @contextlib.contextmanager
 def private_ray(temp_dir: str, num_cpus: int, object_store_mb: int):
     """Orchestrator: a private one-node Ray, started before the ranks fork (they connect to its address; nothing
-    Ray in this process), stopped on exit. Yields the :class:`benchmarks.rayhost.RayHost` (``.address``)."""
-    from benchmarks.rayhost import RayHost
+    Ray in this process), stopped on exit. Yields the :class:`RayHost` (``.address``)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private cluster; every process that joins agrees
     host = RayHost(temp_dir, num_cpus=num_cpus, object_store_bytes=object_store_mb << 20)
     host.start()

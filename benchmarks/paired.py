@@ -461,7 +461,7 @@ def run_cell(spec: jobs.JobSpec, world: int, args, workdir: str, log, strategy: 
             "ray_address": ray_address, "wait_replica": bool(args.wait_replica)}
     jobs.preload(spec)
     t0 = time.perf_counter()
-    _, res = harness.run_ranks(_cell, cell, args.timeout)
+    res = harness.run_ranks(_cell, cell, args.timeout)
     shutil.rmtree(d, ignore_errors=True)
     errs = [x for x in res if "error" in x]
     if errs:

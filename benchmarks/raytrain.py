@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks import configs, jobs
-from benchmarks.worker import Ctx, build_training, peak_rss_bytes, reset_peak_rss, sync
+from benchmarks.worker import Ctx, build_training, peak_rss_bytes, pick_device, reset_peak_rss, sync
 
 
 def _ckpt_step(ckpt, rnd: int) -> int:
@@ -46,7 +46,6 @@ def train_loop(seg: dict) -> None:
     torch.set_num_threads(seg["threads"])
     ctx_rt = ray.train.get_context()
     rank, world = ctx_rt.get_world_rank(), ctx_rt.get_world_size()
-    from benchmarks.worker import pick_device
     device = pick_device(seg["device"], ctx_rt.get_local_rank())
     out = {"rank": rank, "segments": []}
     scratch = tempfile.mkdtemp(prefix="rt", dir=seg["dir"])

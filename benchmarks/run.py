@@ -117,7 +117,7 @@ class Orchestrator:
         self.args = args
         self.root = args.workdir or tempfile.mkdtemp(prefix="rcb", dir="/tmp")  # short: Ray socket paths
         os.makedirs(self.root, exist_ok=True)
-        self.host = None   # the private Ray (benchmarks.rayhost.RayHost) when a configuration needs one
+        self.host = None   # the private Ray (harness.RayHost) when a configuration needs one
         self.segments: list[dict] = []
         self.failures: list[dict] = []
         self.errors: list[dict] = []

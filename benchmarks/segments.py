@@ -20,8 +20,10 @@ Definitions (per job and configuration, over every measured step of every round)
 """
 from __future__ import annotations
 
+import json
 import os
 
+from benchmarks import configs
 from benchmarks.report import (ci_bars, ci_verdict, error_lines, fmt, lowdiff_overhead_targets, machine_info, median,
                                nbytes, now, paired_median_ci, pct, pyplot, save_figure, target_lines, write_result)
 
@@ -453,7 +455,6 @@ def plot(result: dict, path: str, all_configs) -> None:
 
 def write_all(result: dict, out_dir: str, mode: str) -> list[str]:
     """``bench_<mode>.json`` / ``.md`` / ``.png`` in ``out_dir``; the paths."""
-    from benchmarks import configs
     return write_result(os.path.join(out_dir, f"bench_{mode}"), result, lambda r: markdown(r, configs.CONFIGS),
                         lambda r, path: plot(r, path, configs.CONFIGS), echo=False)
 
@@ -461,9 +462,6 @@ def write_all(result: dict, out_dir: str, mode: str) -> list[str]:
 def rebuild(path: str, out_dir: str | None = None) -> list[str]:
     """Rebuild the summary, markdown and plot of a ``bench_<mode>.json`` from the raw samples it saved (e.g. after
     changing the report), into ``out_dir`` (default: the JSON's folder); the paths written."""
-    import json
-
-    from benchmarks import configs
     with open(path) as f:
         old = json.load(f)
     raw = {"segments": old["raw"]["segments"], "failures": old["raw"]["failures"], "errors": old["errors"],
