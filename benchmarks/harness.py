@@ -103,21 +103,25 @@ def reap(procs, timeout, grace: float = 20.0) -> bool:
     return ok
 
 
-def rank_main(rank: int, directory: str, body) -> None:
-    """The body of a forked rank process: ``body(out)`` fills the dict ``out``; it is written to
-    ``directory/result_rank<rank>.json``, or with the error and its traceback to ``error_rank<rank>.json``; then
-    the process exits at once (0 or 1; no atexit handlers of the parent's)."""
-    out: dict = {"rank": rank}
+def process_main(directory: str, body, name: str, error_name: str | None = None, out: dict | None = None) -> None:
+    """The body of a process forked by a benchmark: ``body(out)`` fills the dict ``out``; it is written as JSON to
+    ``directory/name``, or with the error and its traceback to ``directory/error_name`` (default: ``name``); then
+    the process exits at once (1 when ``out`` holds an error, else 0; no atexit handlers of the parent's)."""
+    out = {} if out is None else out
     try:
         body(out)
-        name = f"result_rank{rank}.json"
     except BaseException as e:  # noqa: BLE001 - reported to the orchestrator
         import traceback
         out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        name = f"error_rank{rank}.json"
+        name = error_name or name
     with open(os.path.join(directory, name), "w") as f:
         json.dump(out, f)
-    os._exit(0 if "error" not in out else 1)
+    os._exit(1 if out.get("error") else 0)
+
+
+def rank_main(rank: int, directory: str, body) -> None:
+    """:func:`process_main` of a rank: ``directory/result_rank<rank>.json`` or ``error_rank<rank>.json``."""
+    process_main(directory, body, f"result_rank{rank}.json", f"error_rank{rank}.json", {"rank": rank})
 
 
 def read_json(path):

@@ -3,7 +3,8 @@
 Runs in processes forked by :mod:`benchmarks.run` (one per rank, :func:`benchmarks.harness.rank_main`). Each
 segment builds a fresh model, optimizer, scheduler and DDP wrapper (identical on every run: same seed, same
 batches), trains ``warmup + steps`` steps with the configuration's saver called after every optimizer step, then
-drains the saver (waits for everything in flight), and rank 0 measures recovery. Results are written as JSON into the segment's directory.
+drains the saver (waits for everything in flight), and rank 0 measures recovery. Results are written as JSON
+into the segment's directory.
 
 Savers (what a configuration does after each step) live here too; every one implements::
 
@@ -691,25 +692,21 @@ def _segment(rank: int, seg: dict, out: dict) -> None:
 
 
 def recover_main(seg: dict) -> None:
-    """Entry of the process that recovers after an injected crash: restore the latest state, report its step."""
-    out = {}
-    try:
-        torch.set_num_threads(seg["threads"])
-        cfg = configs.get(seg["config"])
-        device = pick_device(seg["device"], 0)
-        ctx = Ctx(seg=seg, rank=0, world=seg["world"], device=device, cfg=cfg)
-        if cfg.ray:
-            harness.connect_ray(seg["ray_address"])
-        t0 = time.perf_counter()
-        out["restored"] = SAVERS[cfg.saver].recover_latest(ctx)
-        out["recover_s"] = time.perf_counter() - t0
-        if cfg.ray:
-            from ray_ckpt.runtime.coordinator import shutdown_run
-            shutdown_run(seg["run"])
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
-    with open(os.path.join(seg["dir"], "recovered.json"), "w") as f:
-        json.dump(out, f)
-    os._exit(0 if "error" not in out else 1)
+    """Entry of the process that recovers after an injected crash: restore the latest state, report its step
+    (``recovered.json``)."""
+    harness.process_main(seg["dir"], lambda out: _recover(seg, out), "recovered.json")
+
+
+def _recover(seg: dict, out: dict) -> None:
+    torch.set_num_threads(seg["threads"])
+    cfg = configs.get(seg["config"])
+    device = pick_device(seg["device"], 0)
+    ctx = Ctx(seg=seg, rank=0, world=seg["world"], device=device, cfg=cfg)
+    if cfg.ray:
+        harness.connect_ray(seg["ray_address"])
+    t0 = time.perf_counter()
+    out["restored"] = SAVERS[cfg.saver].recover_latest(ctx)
+    out["recover_s"] = time.perf_counter() - t0
+    if cfg.ray:
+        from ray_ckpt.runtime.coordinator import shutdown_run
+        shutdown_run(seg["run"])
