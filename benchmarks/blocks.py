@@ -13,11 +13,30 @@ orchestrator (:func:`overheads`).
 """
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from benchmarks import report
+from benchmarks import harness, jobs, report
+
+
+def parser(prog: str, doc: str, *, world: str, block_steps: int, warmup: int, warmup_help: str,
+           runtime: str) -> argparse.ArgumentParser:
+    """Orchestrator: the options every block benchmark takes (the job, its ranks, the blocks, threads, the runtime
+    and its private Ray, the timeout, the output folder); ``world``, ``warmup_help``, ``runtime``: help texts."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--job", default="gpt:10m:4", help="kind:size:batch[:lr] (see benchmarks.run --help)")
+    p.add_argument("--world", type=int, default=2, help=world)
+    p.add_argument("--block-steps", type=int, default=block_steps, help="steps per block")
+    p.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    p.add_argument("--threads", type=int, help="torch threads per rank (default: max(1, cores // world))")
+    p.add_argument("--runtime", choices=["local", "ray"], default="local", help=runtime)
+    p.add_argument("--object-store-mb", type=int, default=1024, help="the private Ray's object store (--runtime ray)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="per cell, seconds")
+    p.add_argument("--out", default=harness.RESULTS)
+    return p
 
 
 @dataclass
@@ -31,6 +50,15 @@ class Arm:
     after_step: Callable[[int], None] | None = None  # training thread, after each step (the step count)
     end: Callable[[], None] | None = None            # the block's end, timed inside the block (flush, wait)
     keep: tuple[str, ...] = ()                       # extra block fields to record: "steps_s", "flush_s"
+
+
+def start(rank: int, cell: dict, rounds: int) -> tuple[jobs.JobSpec, int]:
+    """Rank process: torch's threads and the cell's process group; the job and its steps in all (the warm-up and
+    ``rounds`` blocks)."""
+    import torch
+    torch.set_num_threads(cell["threads"])
+    harness.init_process_group(cell, rank)
+    return jobs.JobSpec(**cell["job"]), cell["warmup"] + rounds * cell["block_steps"]
 
 
 def run_block(arm: Arm, first: int, n: int, rank: int, device) -> dict:

@@ -44,20 +44,11 @@ ARMS = {"r": "ray_ckpt", "d": "dcp", "n": "none"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fsdp", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--job", default="gpt:10m:4", help="gpt:size:batch[:lr] (see benchmarks.run --help)")
-    p.add_argument("--world", type=int, default=2, help="FSDP2 ranks (gloo processes)")
+    p = blocks.parser("python -m benchmarks.fsdp", __doc__, world="FSDP2 ranks (gloo processes)", block_steps=5,
+                      warmup=2, warmup_help="steps per arm before the first round",
+                      runtime="ray_ckpt's runtime: 'ray' starts a private one-node Ray for the shard runs' actors")
     p.add_argument("--rounds", type=int, default=12, help="rounds of three blocks (one per arm)")
-    p.add_argument("--block-steps", type=int, default=5, help="steps per block")
-    p.add_argument("--warmup", type=int, default=2, help="steps per arm before the first round")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores / world)")
     p.add_argument("--quick", action="store_true", help="3 rounds of 2 steps, small GPT unless --job (a smoke run)")
-    p.add_argument("--runtime", choices=("local", "ray"), default="local",
-                   help="ray_ckpt's runtime: 'ray' starts a private one-node Ray for the shard runs' actors")
-    p.add_argument("--object-store-mb", type=int, default=1024, help="the private Ray's object store (--runtime ray)")
-    p.add_argument("--timeout", type=float, default=3600.0)
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     return p
 
 
@@ -80,11 +71,8 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
 
     import ray_ckpt
     from benchmarks.worker import AsyncDCP
-    torch.set_num_threads(cell["threads"])
-    harness.init_process_group(cell, rank)
-    spec = jobs.JobSpec(**cell["job"])
+    spec, total = blocks.start(rank, cell, cell["rounds"])
     k, rounds, w = cell["block_steps"], cell["rounds"], cell["warmup"]
-    total = w + rounds * k
     arms = {a: _replica(spec, total, seed=0) for a in "rnd"}
     uri = os.path.join(cell["dir"], "ckpt")
     rt = {}

@@ -50,15 +50,12 @@ SCALING = [("gpt:10m:4", 1), ("gpt:10m:4", 2), ("gpt:10m:4", 4), ("gpt:40m:2", 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.paired", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--job", default="gpt:10m:4", help="kind:size:batch[:lr] (see benchmarks.run --help)")
-    p.add_argument("--world", type=int, default=2, help="data-parallel processes")
+    p = blocks.parser("python -m benchmarks.paired", __doc__, world="data-parallel processes", block_steps=10,
+                      warmup=3, warmup_help="unmeasured steps of each replica first",
+                      runtime="A's runtime: 'ray' starts a private one-node Ray (coordinator, node worker, replica)")
     p.add_argument("--scaling", action="store_true",
                    help=f"run the scaling cells {SCALING} (fewer blocks each; fulls every 30 steps)")
     p.add_argument("--blocks", type=int, help="A/B block pairs (default 30; 6 with --scaling)")
-    p.add_argument("--block-steps", type=int, default=10, help="steps per block")
-    p.add_argument("--warmup", type=int, default=3, help="unmeasured steps of each replica first")
     p.add_argument("--full-every", type=int, help="pin the full period (default: the library's policy; 30 "
                    "with --scaling, so that every cell holds fulls)")
     p.add_argument("--batch-steps", type=int, help="pin steps per diff object (default: the library's policy)")
@@ -69,17 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "moments lossless every 10 steps, computed in the training process; lowdiff-amber: LowDiff "
                    "with durable_diffs=Amber(), the same increments computed by the state tier's replica, "
                    "--runtime ray only)")
-    p.add_argument("--runtime", choices=["local", "ray"], default="local",
-                   help="A's runtime: 'ray' starts a private one-node Ray (coordinator, node worker, replica)")
     p.add_argument("--wait-replica", action=argparse.BooleanOptionalAction, default=None,
                    help="--runtime ray: each A block ends when the state tier's replica has applied its last step "
                    "(the replica's CPU counted to A, not to the next B block; default on with --runtime ray)")
-    p.add_argument("--object-store-mb", type=int, default=1024, help="the private Ray's object store (--runtime ray)")
     p.add_argument("--topk-ratio", type=float, default=0.01)
-    p.add_argument("--threads", type=int, help="torch threads per process (default: max(1, cores // world))")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=harness.RESULTS)
-    p.add_argument("--timeout", type=float, default=3600.0, help="per cell, seconds")
     p.add_argument("--rebuild", metavar="JSON", help="recompute the summary, md and png from a result file's raw "
                    "blocks (no training)")
     return p
@@ -163,11 +154,8 @@ def _cell(rank: int, cell: dict, out: dict) -> None:
     rank 0 also A's counters and the restores."""
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(cell["threads"])
-    harness.init_process_group(cell, rank)
-    spec = jobs.JobSpec(**cell["job"])
+    spec, total = blocks.start(rank, cell, cell["blocks"])
     k, nb, w = cell["block_steps"], cell["blocks"], cell["warmup"]
-    total = w + nb * k
     dev = torch.device("cpu")
     a = _replica(cell, dev, spec, total)
     b = _replica(cell, dev, spec, total)
