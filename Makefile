@@ -44,7 +44,7 @@ bench-quick: $(STAMP)
 bench-fast: $(STAMP)
 	$(PY) -m benchmarks.run --mode fast
 
-# LowDiff's overhead resolved to ~1% of a step: two replicas in the same processes, alternating blocks (issue #14)
+# LowDiff's overhead resolved to ~1% of a step: two replicas in the same processes, alternating blocks
 bench-paired: $(STAMP)
 	$(PY) -m benchmarks.paired
 
@@ -52,7 +52,7 @@ bench-paired: $(STAMP)
 bench-scaling: $(STAMP)
 	$(PY) -m benchmarks.paired --scaling
 
-# FSDP2, a checkpoint every step: ray_ckpt's shard lineages vs DCP async_save vs none, interleaved (issue #15);
+# FSDP2, a checkpoint every step: ray_ckpt's shard lineages vs DCP async_save vs none, interleaved;
 # then the same with runtime="ray" (shard runs on a private local Ray)
 bench-fsdp: $(STAMP)
 	$(PY) -m benchmarks.fsdp
@@ -62,8 +62,7 @@ bench-fsdp: $(STAMP)
 bench-coordinator: $(STAMP)
 	$(PY) -m benchmarks.coordinator_scale
 
-# Amber vs LowDiff dense through runtime="ray" (paired blocks, ~15 min), then Amber's selection pass vs memcpy
-# (issue #17)
+# Amber vs LowDiff dense through runtime="ray" (paired blocks, ~22 min), then Amber's selection pass vs memcpy
 bench-amber: $(STAMP)
 	$(PY) -m benchmarks.paired --job gpt:10m:4 --blocks 16 --hook none --strategies lowdiff lowdiff-amber amber --runtime ray
 	$(PY) -m benchmarks.amber_select

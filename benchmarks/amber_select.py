@@ -1,4 +1,4 @@
-"""Amber's selection pass against the machine's memory bandwidth (issue #17, item 1).
+"""Amber's selection pass against the machine's memory bandwidth.
 
     .venv/bin/python -m benchmarks.amber_select [--size 10m] [--repeats 7] [--out benchmarks/results]
 
@@ -18,7 +18,7 @@ situation), over the tracked state of one step (parameters + AdamW moments, the 
   average per step over the ``optimizer_every`` schedule.
 
 Throughput = tracked-state bytes read / seconds (median of ``--repeats``); the ratio to a copy of the same
-bytes is the figure the issue's goal (within 4x of memcpy) is read on. Configurations: ``Amber()``
+bytes is the figure the goal (within 4x of memcpy) is read on. Configurations: ``Amber()``
 (parameters at 2%, sparse encoding; AdamW moments lossless, XOR + zstd) and ``Amber(threshold=0)`` (all
 lossless). Writes
 ``amber_select.json`` and ``.md``.
@@ -26,16 +26,13 @@ lossless). Writes
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import time
 
 import torch
 
-from benchmarks import jobs
-from benchmarks.report import machine_info
+from benchmarks import jobs, report
 from ray_ckpt.config import Amber
 from ray_ckpt.engine.amber import AmberEncoder
 from ray_ckpt.format.delta import AmberRecord, significant
@@ -144,31 +141,29 @@ def main(argv=None) -> int:
         b = r.setdefault("bytes", nbytes)
         r["gb_per_s"] = b / r["seconds"] / 1e9
         r["x_copy"] = r["seconds"] / (base * b / nbytes)
-    result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              "machine": machine_info("cpu"), "size": args.size, "tracked_bytes": nbytes,
-              "tensors": len(cur), "repeats": args.repeats, "rows": rows}
-    lines = [f"# Amber selection pass vs memcpy — GPT {args.size}", "",
-             f"- date: {result['date']}; machine: {result['machine'].get('cpu')}, {result['machine'].get('cores')} "
-             f"cores; 1 thread; torch {result['machine'].get('torch')}",
-             f"- tracked state of one step: {nbytes / 1e6:.1f} MB in {len(cur)} tensors (parameters + AdamW moments), "
-             f"after {args.steps} training steps (a step where the moments are compared: every "
-             f"`optimizer_every` steps); median of {args.repeats}", "",
+    result = {"date": report.now(), "machine": report.machine_info("cpu"), "size": args.size, "tracked_bytes": nbytes,
+              "tensors": len(cur), "repeats": args.repeats, "steps": args.steps, "rows": rows}
+    report.write_result(os.path.join(args.out, "amber_select"), result, markdown)
+    return 0
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# Amber selection pass vs memcpy — GPT {result['size']}", "",
+             f"- date: {result['date']}; machine: {m.get('cpu')}, {m.get('cores')} cores; 1 thread; torch "
+             f"{m.get('torch')}",
+             f"- tracked state of one step: {result['tracked_bytes'] / 1e6:.1f} MB in {result['tensors']} tensors "
+             f"(parameters + AdamW moments), after {result['steps']} training steps (a step where the moments are "
+             f"compared: every `optimizer_every` steps); median of {result['repeats']}", "",
              "| pass | ms | MB read | GB/s | × copy of those bytes | elements written | increment |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+    for r in result["rows"]:
         wf = r.get("written_fraction")
         lines.append(f"| {r['what']} | {1e3 * r['seconds']:.1f} | {r['bytes'] / 1e6:.1f} | {r['gb_per_s']:.2f} "
                      f"| {r['x_copy']:.2f} "
-                     f"| {'' if wf is None else '%.2f%%' % (100 * wf)} "
+                     f"| {'' if wf is None else report.pct(100 * wf, '.2f')} "
                      f"| {'' if 'increment_bytes' not in r else '%.1f MB' % (r['increment_bytes'] / 1e6)} |")
-    md = "\n".join(lines) + "\n"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "amber_select.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "amber_select.md"), "w") as f:
-        f.write(md)
-    print(md, flush=True)
-    return 0
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import ray_ckpt
+from benchmarks import report
 from examples.gpt import GPT, ByteBatches, GPTConfig, stdlib_corpus, warmup_cosine
 from ray_ckpt.config import Amber
 from ray_ckpt.engine.amber import AmberEncoder
@@ -372,8 +373,9 @@ def offline_run(dtype_name: str, su: Setup, data) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------------------
-def _pct(x):
-    return f"{100 * x:.2f}%"
+def _frac_pct(x):
+    """A fraction as a percentage: ``0.0123`` -> ``1.23%``."""
+    return report.pct(100 * x, ".2f")
 
 
 def markdown(result: dict) -> str:
@@ -402,11 +404,11 @@ def markdown(result: dict) -> str:
         for r in result["pipeline"]:
             base = result["baseline"][r["dtype"]]
             out.append(
-                f"| {r['dtype']} | {r['threshold']:g} | {_pct(r['inc_frac'])} | {_pct(r['param_frac'])} / "
-                f"{_pct(r['opt_frac'])} | {_pct(r['written_frac'])} | {r['capture_ms']:.1f} | {r['step_ms']:.0f} "
+                f"| {r['dtype']} | {r['threshold']:g} | {_frac_pct(r['inc_frac'])} | {_frac_pct(r['param_frac'])} / "
+                f"{_frac_pct(r['opt_frac'])} | {_frac_pct(r['written_frac'])} | {r['capture_ms']:.1f} | {r['step_ms']:.0f} "
                 f"({1e3 * base['step_s']:.0f}) | {r['encode_ms']:.0f} | {r['fulls']} ({r['early_fulls']}) / "
                 f"{r['merged_objects']} | {r['restore_step']} ({r['restore_full_step']}): {r['restore_objects']}, "
-                f"{r['restore_s']:.2f} | {r['param_max_rel_err']:.4f} | {_pct(r['param_stale_frac'])} | "
+                f"{r['restore_s']:.2f} | {r['param_max_rel_err']:.4f} | {_frac_pct(r['param_stale_frac'])} | "
                 f"{r['exp_avg_rel_l2_err']:.3f} / {r['exp_avg_sq_rel_l2_err']:.3f} | {r['loss_exact']:.4f} → "
                 f"{r['loss_restored']:.4f} | {r['loss_exact_cont']:.4f} → {r['loss_restored_cont']:.4f} |")
         out.append("")
@@ -422,8 +424,8 @@ def markdown(result: dict) -> str:
         for r in result["offline"]:
             rt = f"{r['roundtrip_ms']:.0f}" if r.get("roundtrip_ms") is not None else ""
             out.append(
-                f"| {r['dtype']} | {r['config']} | {_pct(r['inc_frac'])} | {_pct(r['param_frac'])} / "
-                f"{_pct(r['opt_frac'])} | {_pct(r['param_frac_of_params'])} | {r['encode_ms']:.0f} | {rt} | "
+                f"| {r['dtype']} | {r['config']} | {_frac_pct(r['inc_frac'])} | {_frac_pct(r['param_frac'])} / "
+                f"{_frac_pct(r['opt_frac'])} | {_frac_pct(r['param_frac_of_params'])} | {r['encode_ms']:.0f} | {rt} | "
                 f"{r['param_max_rel_err']:.4f} | {r['exp_avg_rel_l2_err']:.4f} | {r['exp_avg_sq_rel_l2_err']:.4f} | "
                 f"{r['loss_exact']:.4f} → {r['loss_restored']:.4f} | {r['loss_exact_cont']:.4f} → "
                 f"{r['loss_restored_cont']:.4f} |")
@@ -458,7 +460,7 @@ def main(argv=None) -> dict:
                 for thr in THRESHOLDS:
                     row, target, restored = pipeline_run(dn, thr, su, data, workdir)
                     runs.append((row, target, restored))
-                    print(f"[{time.perf_counter() - t0:.0f}s] {dn} τ={thr}: increment {_pct(row['inc_frac'])}, "
+                    print(f"[{time.perf_counter() - t0:.0f}s] {dn} τ={thr}: increment {_frac_pct(row['inc_frac'])}, "
                           f"capture {row['capture_ms']:.1f} ms, restored step {target}", flush=True)
                 exact = exact_run(dn, su, data, {t for _, t, _ in runs})
                 result["baseline"][dn] = {"step_s": exact["step_s"]}
@@ -475,7 +477,7 @@ def main(argv=None) -> dict:
                 rows = offline_run(dn, su, data)
                 result["offline"] += rows
                 for r in rows:
-                    print(f"[{time.perf_counter() - t0:.0f}s] {dn} {r['config']}: {_pct(r['inc_frac'])}, "
+                    print(f"[{time.perf_counter() - t0:.0f}s] {dn} {r['config']}: {_frac_pct(r['inc_frac'])}, "
                           f"cont loss {r['loss_restored_cont']:.4f} (exact {r['loss_exact_cont']:.4f})", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""How the coordinator's periodic work grows with the length of a run (issue #11).
+"""How the coordinator's periodic work grows with the length of a run.
 
 A run checkpointing every step at 100 steps/s in 10-step chunks gives the coordinator 10 objects a second:
 36,000 after an hour. Its periodic calls (the sender's ``control`` and the metrics' ``status``, each about once a
@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import tempfile
 import time
+
+from benchmarks import report
 
 
 def _manifest(kind: str, first: int, last: int) -> bytes:
@@ -107,28 +108,23 @@ def measure(chunks: list[int], seconds: float) -> list[dict]:
     return rows
 
 
-def write(rows: list[dict], out: str, seconds: float) -> None:
-    os.makedirs(out, exist_ok=True)
-    meta = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
-            "seconds_per_size": seconds}
-    with open(os.path.join(out, "coordinator_scale.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+def markdown(result: dict) -> str:
+    meta, rows = result["meta"], result["rows"]
     lines = [f"# Coordinator work against the run's length — {meta['date']}, {meta['machine']}", "",
              "Fresh `status()`, `Lineage.head()`, `resolve()` near the end, and the coordinator's CPU share in a "
-             f"simulated steady state ({seconds:.0f} s: worker updates at 20 Hz, control and metrics once a "
-             "second); 10-step chunks, a full every 150 steps.", "",
+             f"simulated steady state ({meta['seconds_per_size']:.0f} s: worker updates at 20 Hz, control and metrics "
+             "once a second); 10-step chunks, a full every 150 steps.", "",
              "| chunks | steps | status() ms | head() ms | resolve() ms | steady-state CPU, % of a core | view age s |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['chunks']:,} | {r['steps']:,} | {1e3 * r['status_s']:.1f} | {1e3 * r['head_s']:.1f} | "
                      f"{1e3 * r['resolve_s']:.1f} | {100 * r['steady_cpu_share']:.1f} | {r['view_age_s']:.2f} |")
-    with open(os.path.join(out, "coordinator_scale.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    rows = result["rows"]
+    fig, ax = report.pyplot().subplots(1, 2, figsize=(9, 3.5))
     steps = [r["steps"] for r in rows]
     for key, label in (("status_s", "status()"), ("head_s", "head()"), ("resolve_s", "resolve()")):
         ax[0].plot(steps, [1e3 * r[key] for r in rows], "o-", label=label)
@@ -139,8 +135,15 @@ def write(rows: list[dict], out: str, seconds: float) -> None:
     ax[1].set_xlabel("steps in the lineage")
     ax[1].set_ylabel("coordinator CPU, % of a core")
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "coordinator_scale.png"), dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
+
+
+def write(rows: list[dict], out: str, seconds: float) -> None:
+    meta = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
+            "seconds_per_size": seconds}
+    report.write_result(os.path.join(out, "coordinator_scale"), {"meta": meta, "rows": rows}, markdown, plot,
+                        echo=False)
 
 
 def main(argv=None) -> int:

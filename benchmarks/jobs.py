@@ -111,6 +111,17 @@ class Job:
     def loss(self, model, x, y):
         return self.loss_fn(model, x, y)
 
+    def train_step(self, net, opt, sched, step: int, rank: int, device):
+        """One training step on ``step``'s batch of ``rank`` through ``net`` (the model, or its DDP or FSDP2
+        wrapper): forward, backward, ``opt.step()``, ``sched.step()``; the loss. Training thread of a rank."""
+        x, y = self.batch(step, rank, device)
+        loss = self.loss(net, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss
+
 
 def _gpt_loss(model, x, y):
     logits = model(x)

@@ -1,12 +1,12 @@
-"""Paired, interleaved measurement of LowDiff's overhead, fine enough to resolve 1% of a step (issue #14).
+"""Paired, interleaved measurement of LowDiff's overhead, fine enough to resolve 1% of a step.
 
     .venv/bin/python -m benchmarks.paired                      # make bench-paired: GPT 10.9M, 2 ranks, ~12 min
     .venv/bin/python -m benchmarks.paired --scaling            # make bench-scaling: 10M/40M/100M x 1/2/4 workers
     .venv/bin/python -m benchmarks.paired --help
 
-Why a second harness: :mod:`benchmarks.run` compares configurations in separate processes, one after the other;
-on a shared 2-core machine two such segments differ by several percent for reasons that have nothing to do with
-checkpointing, so a 1% overhead stays invisible. Here the *same processes* train two identical replicas of the
+Why blocks in the same processes (:mod:`benchmarks.blocks`): :mod:`benchmarks.run` compares configurations in
+separate processes, one after the other; on a shared 2-core machine two such segments differ by several percent
+for reasons that have nothing to do with checkpointing, so a 1% overhead stays invisible. Here the *same processes* train two identical replicas of the
 job — same seed, same batches, each with its own DDP over the same process group and the same top-k hook — and
 alternate between them in blocks of ``block_steps`` steps (order A B, B A, A B, ...: linear drift cancels):
 
@@ -35,32 +35,27 @@ Outputs (``--out``, default ``benchmarks/results/``): ``paired.json`` / ``.md`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 import sys
 import tempfile
 import time
 
-from benchmarks import jobs, report
+from benchmarks import blocks, harness, jobs, report
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-#: the scaling cells (issue #14 item 5): model size at 2 workers, and worker count at 10M
+#: the scaling cells: model size at 2 workers, and worker count at 10M
 SCALING = [("gpt:10m:4", 1), ("gpt:10m:4", 2), ("gpt:10m:4", 4), ("gpt:40m:2", 2), ("gpt:100m:1", 2)]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.paired", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--job", default="gpt:10m:4", help="kind:size:batch[:lr] (see benchmarks.run --help)")
-    p.add_argument("--world", type=int, default=2, help="data-parallel processes")
+    p = blocks.parser("python -m benchmarks.paired", __doc__, world="data-parallel processes", block_steps=10,
+                      warmup=3, warmup_help="unmeasured steps of each replica first",
+                      runtime="A's runtime: 'ray' starts a private one-node Ray (coordinator, node worker, replica)")
     p.add_argument("--scaling", action="store_true",
                    help=f"run the scaling cells {SCALING} (fewer blocks each; fulls every 30 steps)")
     p.add_argument("--blocks", type=int, help="A/B block pairs (default 30; 6 with --scaling)")
-    p.add_argument("--block-steps", type=int, default=10, help="steps per block")
-    p.add_argument("--warmup", type=int, default=3, help="unmeasured steps of each replica first")
     p.add_argument("--full-every", type=int, help="pin the full period (default: the library's policy; 30 "
                    "with --scaling, so that every cell holds fulls)")
     p.add_argument("--batch-steps", type=int, help="pin steps per diff object (default: the library's policy)")
@@ -71,17 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "moments lossless every 10 steps, computed in the training process; lowdiff-amber: LowDiff "
                    "with durable_diffs=Amber(), the same increments computed by the state tier's replica, "
                    "--runtime ray only)")
-    p.add_argument("--runtime", choices=["local", "ray"], default="local",
-                   help="A's runtime: 'ray' starts a private one-node Ray (coordinator, node worker, replica)")
     p.add_argument("--wait-replica", action=argparse.BooleanOptionalAction, default=None,
                    help="--runtime ray: each A block ends when the state tier's replica has applied its last step "
                    "(the replica's CPU counted to A, not to the next B block; default on with --runtime ray)")
-    p.add_argument("--object-store-mb", type=int, default=1024, help="the private Ray's object store (--runtime ray)")
     p.add_argument("--topk-ratio", type=float, default=0.01)
-    p.add_argument("--threads", type=int, help="torch threads per process (default: max(1, cores // world))")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
-    p.add_argument("--timeout", type=float, default=3600.0, help="per cell, seconds")
     p.add_argument("--rebuild", metavar="JSON", help="recompute the summary, md and png from a result file's raw "
                    "blocks (no training)")
     return p
@@ -90,17 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------------------------------
 # one rank of one cell (a forked process)
 # ------------------------------------------------------------------------------------------------------------
-def cell_main(rank: int, cell: dict) -> None:
-    from benchmarks.run import rank_main
-    rank_main(rank, cell["dir"], lambda out: _cell(rank, cell, out))
-
-
-def _replica(cell: dict, device, spec: jobs.JobSpec, total: int):
+def _replica(cell: dict, device, spec: jobs.JobSpec, total: int) -> blocks.Arm:
     from benchmarks.worker import make_ddp
     job = jobs.build(spec, device, seed=cell["seed"])
     ddp = make_ddp(job.model, device, bucket_cap_mb=25.0, hook=cell["hook"], topk_ratio=cell["topk_ratio"])
     opt = jobs.make_optimizer(job.model, spec.lr, spec.kind)
-    return job, ddp, opt, jobs.make_scheduler(opt, total=total)
+    return blocks.Arm(job, ddp, opt, jobs.make_scheduler(opt, total=total), keep=("steps_s",))
 
 
 def _wait_replica(ck, timeout: float = 60.0) -> None:
@@ -142,149 +126,143 @@ def _drop_exact_records(uri: str) -> None:
         storage.delete(lineage_index.INDEX_KEY)
 
 
+def _checkpointer(rank: int, cell: dict, a: blocks.Arm):
+    """Rank 0: A's ``Checkpointer`` (its strategy, the pinned policy knobs, runtime "local" or the private Ray);
+    its attach-time full written. None on the other ranks."""
+    import ray_ckpt
+    if rank != 0:
+        return None
+    pinned = {kk: cell[kk] for kk in ("full_every", "batch_steps") if cell.get(kk)}
+    if cell.get("strategy") == "lowdiff-amber":
+        pinned["durable_diffs"] = ray_ckpt.Amber()
+    rt = {"runtime": "local"}
+    if cell.get("ray_address"):
+        harness.connect_ray(cell["ray_address"])
+        rt = {"runtime": "ray", "run": f"paired-{cell.get('strategy', 'lowdiff')}"}
+    strategy = ray_ckpt.Amber() if cell.get("strategy") == "amber" else ray_ckpt.LowDiff()
+    ck = ray_ckpt.Checkpointer(_uri(cell), a.net, a.opt, scheduler=a.sched, strategy=strategy, **rt, **pinned)
+    ck.flush()
+    return ck
+
+
+def _uri(cell: dict) -> str:
+    return os.path.join(cell["dir"], "ckpt")
+
+
 def _cell(rank: int, cell: dict, out: dict) -> None:
+    """One rank of one cell (a forked process): replicas A and B, A's checkpointer on rank 0, the blocks; on
+    rank 0 also A's counters and the restores."""
     import torch
     import torch.distributed as dist
-
-    import ray_ckpt
-    torch.set_num_threads(cell["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{cell['dir']}/pg_store", rank=rank,
-                            world_size=cell["world"])
-    spec = jobs.JobSpec(**cell["job"])
+    spec, total = blocks.start(rank, cell, cell["blocks"])
     k, nb, w = cell["block_steps"], cell["blocks"], cell["warmup"]
-    total = w + nb * k
     dev = torch.device("cpu")
     a = _replica(cell, dev, spec, total)
     b = _replica(cell, dev, spec, total)
-    ck = None
-    uri = os.path.join(cell["dir"], "ckpt")
-    strategy = ray_ckpt.Amber() if cell.get("strategy") == "amber" else ray_ckpt.LowDiff()
-    durable_amber = ray_ckpt.Amber() if cell.get("strategy") == "lowdiff-amber" else None
-    if rank == 0:
-        pinned = {kk: cell[kk] for kk in ("full_every", "batch_steps") if cell.get(kk)}
-        if durable_amber is not None:
-            pinned["durable_diffs"] = durable_amber
-        rt = {"runtime": "local"}
-        if cell.get("ray_address"):
-            import ray
-            ray.init(address=cell["ray_address"], namespace="ray_ckpt_bench", log_to_driver=False,
-                     configure_logging=False)
-            rt = {"runtime": "ray", "run": f"paired-{cell.get('strategy', 'lowdiff')}"}
-        ck = ray_ckpt.Checkpointer(uri, a[1], a[2], scheduler=a[3], strategy=strategy, **rt, **pinned)
-        ck.flush()
+    ck = _checkpointer(rank, cell, a)
+    if ck is not None:
+        a.keep += ("flush_s",)
 
-    def run(rep, first: int, n: int) -> tuple[float, float, list, float]:
-        """Block wall time, training-thread CPU, the per-step wall times, and the flush's share."""
-        job, ddp, opt, sched = rep
-        t0, c0 = time.perf_counter(), time.thread_time()
-        steps = []
-        for step in range(first, first + n):
-            ts = time.perf_counter()
-            x, y = job.batch(step, rank, dev)
-            loss = job.loss(ddp, x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            steps.append(time.perf_counter() - ts)
-        tf = time.perf_counter()
-        if rep is a and ck is not None:
+        def end():
             ck.flush()
             if cell.get("wait_replica"):
                 _wait_replica(ck)
-        return time.perf_counter() - t0, time.thread_time() - c0, steps, time.perf_counter() - tf
-
-    run(a, 0, w)
-    run(b, 0, w)
+        a.end = end
+    arms = {"a": a, "b": b}
+    blocks.warm_up(arms, w, rank, dev)
     st0 = ck.stats() if ck else {}
-    blocks = []
-    dist.barrier()
-    for i in range(nb):
-        first = w + i * k
-        fulls0 = ck.stats()["trainer_fulls"] if ck else 0
-        order = (a, b) if i % 2 == 0 else (b, a)
-        res = {}
-        for rep in order:
-            res["a" if rep is a else "b"] = run(rep, first, k)
-        blocks.append({"a_s": res["a"][0], "b_s": res["b"][0], "a_cpu_s": res["a"][1], "b_cpu_s": res["b"][1],
-                       "a_steps_s": res["a"][2], "b_steps_s": res["b"][2], "a_flush_s": res["a"][3],
-                       "first": "a" if order[0] is a else "b",
-                       "full": bool(ck and ck.stats()["trainer_fulls"] > fulls0)})
-    dist.barrier()
-    out["blocks"] = blocks
+    out["blocks"] = blocks.run_blocks(arms, [("a", "b"), ("b", "a")], nb, w, k, rank, dev,
+                                      fulls=(lambda: ck.stats()["trainer_fulls"]) if ck else None)
+    for bl in out["blocks"]:
+        bl["first"] = bl.pop("order")[0]
     if ck is not None:
-        st = ck.stats()
-        r1, r0 = _replica_counters(st), _replica_counters(st0)
-        steps = nb * k
-        n_full = st["trainer_fulls"] - st0["trainer_fulls"]
-        out.update(
-            diff_bytes_per_step=(st["diff_bytes"] - st0["diff_bytes"]) / steps,
-            full_bytes_per_step=(st["full_bytes"] - st0["full_bytes"]) / steps,
-            bytes_per_full=(st["full_bytes"] - st0["full_bytes"]) / n_full if n_full else None,
-            capture_ms_per_step=1e3 * (st["capture_seconds"] - st0["capture_seconds"]) / steps,
-            encode_ms_per_step=1e3 * (st.get("encode_seconds", 0.0) - st0.get("encode_seconds", 0.0)) / steps,
-            # runtime="ray": the sender thread's CPU (encoding, checksum, hand-off), the training process's
-            # background work; the writer thread of runtime="local" is not timed
-            sender_cpu_ms_per_step=(1e3 * ((st.get("runtime") or {}).get("sender_cpu_seconds", 0.0)
-                                           - (st0.get("runtime") or {}).get("sender_cpu_seconds", 0.0)) / steps
-                                    if st.get("runtime") else None),
-            fulls=n_full, policy=ck.policy_report(),
-            replica_fulls=(r1.get("fulls_written", 0) - r0.get("fulls_written", 0)) if st.get("runtime") else None,
-            amber_early_fulls=(st["amber"]["early_fulls"] - st0["amber"]["early_fulls"]) if "amber" in st else None)
-        if "apply_seconds" in r1:
-            # the replica's wall time (perf_counter, under its lock) per training step (apply, fulls and Amber included) and Amber's share
-            out["replica_apply_ms_per_step"] = 1e3 * (r1["apply_seconds"] - r0.get("apply_seconds", 0.0)) / steps
-            out["replica_amber_ms_per_step"] = 1e3 * (r1.get("amber_seconds", 0.0) - r0.get("amber_seconds", 0.0)) / steps
-            n_inc = r1.get("amber_increments", 0) - r0.get("amber_increments", 0)
-            if n_inc:
-                out["amber_increments"] = n_inc
-                out["amber_bytes_per_increment"] = (r1["amber_bytes_written"] - r0.get("amber_bytes_written", 0)) / n_inc
+        out.update(_counters(st0, ck.stats(), nb * k), policy=ck.policy_report())
         ck.close()
-        def restore_latest():
-            """Median of 3 restores of the latest step into fresh objects: seconds, step, the last restored job."""
-            samples = []
-            for _ in range(3):
-                job = jobs.build(spec, dev, seed=99)
-                opt = jobs.make_optimizer(job.model, spec.lr, spec.kind)
-                sched = jobs.make_scheduler(opt, total=total)
-                t0 = time.perf_counter()
-                got = ray_ckpt.restore(uri, job.model, opt, scheduler=sched)
-                samples.append(time.perf_counter() - t0)
-            return sorted(samples)[1], got, job
-
-        def within(job, cfg) -> bool:
-            """|restored - true| <= threshold * |restored| + atol for every parameter element (Amber's bound)."""
-            return all(bool(((p.double() - q.double()).abs() <= cfg.threshold * p.double().abs() + cfg.atol).all())
-                       for p, q in zip(job.model.parameters(), a[0].model.parameters()))
-
-        out["restore_latest_s"], step, job = restore_latest()
-        out["restored_step"] = step
-        # exactness, while we are here: the restored replica is A's state bitwise (LowDiff), or within the
-        # stated bound (Amber's defaults: atol 0)
-        out["restore_bitwise"] = all(torch.equal(p, q) for p, q in zip(job.model.parameters(),
-                                                                         a[0].model.parameters()))
-        if cell.get("strategy") == "amber":
-            out["restore_within_bound"] = within(job, strategy)
-        if durable_amber is not None:
-            # the same latest step from the Amber tier alone (base full + the replica's increments): the exact
-            # step records deleted from storage, as if both copies in memory were lost before they were written
-            _drop_exact_records(uri)
-            out["restore_tier_s"], tstep, job = restore_latest()
-            out["restore_tier_step"] = tstep
-            out["restore_tier_within_bound"] = tstep == step and within(job, durable_amber)
-    out["param_count"] = sum(p.numel() for p in a[0].model.parameters())
+        _restores(cell, spec, total, a, out)
+    out["param_count"] = sum(p.numel() for p in a.job.model.parameters())
     out["wait_replica"] = bool(cell.get("wait_replica"))
-    out["full_ckpt_bytes"] = jobs.full_state_bytes(a[0].model, a[2])
+    out["full_ckpt_bytes"] = jobs.full_state_bytes(a.job.model, a.opt)
     dist.barrier()
+
+
+def _counters(st0: dict, st: dict, steps: int) -> dict:
+    """What A's checkpointer did over the measured ``steps`` (``Checkpointer.stats()`` before and after)."""
+    r1, r0 = _replica_counters(st), _replica_counters(st0)
+    n_full = st["trainer_fulls"] - st0["trainer_fulls"]
+    out = dict(
+        diff_bytes_per_step=(st["diff_bytes"] - st0["diff_bytes"]) / steps,
+        full_bytes_per_step=(st["full_bytes"] - st0["full_bytes"]) / steps,
+        bytes_per_full=(st["full_bytes"] - st0["full_bytes"]) / n_full if n_full else None,
+        capture_ms_per_step=1e3 * (st["capture_seconds"] - st0["capture_seconds"]) / steps,
+        encode_ms_per_step=1e3 * (st.get("encode_seconds", 0.0) - st0.get("encode_seconds", 0.0)) / steps,
+        # runtime="ray": the sender thread's CPU (encoding, checksum, hand-off), the training process's
+        # background work; the writer thread of runtime="local" is not timed
+        sender_cpu_ms_per_step=(1e3 * ((st.get("runtime") or {}).get("sender_cpu_seconds", 0.0)
+                                       - (st0.get("runtime") or {}).get("sender_cpu_seconds", 0.0)) / steps
+                                if st.get("runtime") else None),
+        fulls=n_full,
+        replica_fulls=(r1.get("fulls_written", 0) - r0.get("fulls_written", 0)) if st.get("runtime") else None,
+        amber_early_fulls=(st["amber"]["early_fulls"] - st0["amber"]["early_fulls"]) if "amber" in st else None)
+    if "apply_seconds" in r1:
+        # the replica's wall time (perf_counter, under its lock) per training step (apply, fulls and Amber
+        # included) and Amber's share
+        out["replica_apply_ms_per_step"] = 1e3 * (r1["apply_seconds"] - r0.get("apply_seconds", 0.0)) / steps
+        out["replica_amber_ms_per_step"] = 1e3 * (r1.get("amber_seconds", 0.0) - r0.get("amber_seconds", 0.0)) / steps
+        n_inc = r1.get("amber_increments", 0) - r0.get("amber_increments", 0)
+        if n_inc:
+            out["amber_increments"] = n_inc
+            out["amber_bytes_per_increment"] = (r1["amber_bytes_written"] - r0.get("amber_bytes_written", 0)) / n_inc
+    return out
+
+
+def _restores(cell: dict, spec: jobs.JobSpec, total: int, a: blocks.Arm, out: dict) -> None:
+    """Rank 0, A's checkpointer closed: restore the latest step into fresh objects (median of 3) and check it
+    against replica A: bitwise (LowDiff), or within Amber's stated bound; with the Amber tier (lowdiff-amber) the
+    same step again from that tier alone."""
+    import torch
+
+    import ray_ckpt
+    uri, dev = _uri(cell), torch.device("cpu")
+
+    def restore_latest():
+        """Median of 3 restores of the latest step into fresh objects: seconds, step, the last restored job."""
+        samples = []
+        for _ in range(3):
+            job = jobs.build(spec, dev, seed=99)
+            opt = jobs.make_optimizer(job.model, spec.lr, spec.kind)
+            sched = jobs.make_scheduler(opt, total=total)
+            t0 = time.perf_counter()
+            got = ray_ckpt.restore(uri, job.model, opt, scheduler=sched)
+            samples.append(time.perf_counter() - t0)
+        return sorted(samples)[1], got, job
+
+    def within(job, cfg) -> bool:
+        """|restored - true| <= threshold * |restored| + atol for every parameter element (Amber's bound)."""
+        return all(bool(((p.double() - q.double()).abs() <= cfg.threshold * p.double().abs() + cfg.atol).all())
+                   for p, q in zip(job.model.parameters(), a.job.model.parameters()))
+
+    out["restore_latest_s"], step, job = restore_latest()
+    out["restored_step"] = step
+    # exactness, while we are here: the restored replica is A's state bitwise (LowDiff), or within the
+    # stated bound (Amber's defaults: atol 0)
+    out["restore_bitwise"] = all(torch.equal(p, q) for p, q in zip(job.model.parameters(), a.job.model.parameters()))
+    if cell.get("strategy") == "amber":
+        out["restore_within_bound"] = within(job, ray_ckpt.Amber())
+    if cell.get("strategy") == "lowdiff-amber":
+        # the same latest step from the Amber tier alone (base full + the replica's increments): the exact
+        # step records deleted from storage, as if both copies in memory were lost before they were written
+        _drop_exact_records(uri)
+        out["restore_tier_s"], tstep, job = restore_latest()
+        out["restore_tier_step"] = tstep
+        out["restore_tier_within_bound"] = tstep == step and within(job, ray_ckpt.Amber())
 
 
 # ------------------------------------------------------------------------------------------------------------
 def summarize(cell: dict, r0: dict) -> dict:
-    blocks = r0["blocks"]
-    full = [bl["full"] for bl in blocks]
-    out = {"job": cell["job"], "world": cell["world"], "threads": cell["threads"], "blocks": len(blocks),
-           "block_steps": cell["block_steps"], "step_s_ref_median": report._median(
-               [bl["b_s"] / cell["block_steps"] for bl in blocks]),
+    bl_list = r0["blocks"]
+    out = {"job": cell["job"], "world": cell["world"], "threads": cell["threads"], "blocks": len(bl_list),
+           "block_steps": cell["block_steps"], "step_s_ref_median": report.median(
+               [bl["b_s"] / cell["block_steps"] for bl in bl_list]),
            **{k: r0.get(k) for k in ("param_count", "full_ckpt_bytes", "diff_bytes_per_step", "full_bytes_per_step",
                                      "bytes_per_full", "capture_ms_per_step", "fulls", "restore_latest_s",
                                      "restored_step", "restore_bitwise", "restore_within_bound", "policy",
@@ -293,22 +271,17 @@ def summarize(cell: dict, r0: dict) -> dict:
                                      "amber_increments", "amber_bytes_per_increment", "restore_tier_s",
                                      "restore_tier_step", "restore_tier_within_bound", "wait_replica")},
            "strategy": cell.get("strategy") or "lowdiff", "runtime": cell.get("runtime") or "local"}
-    for basis, ka, kb in (("wall", "a_s", "b_s"), ("thread_cpu", "a_cpu_s", "b_cpu_s")):
-        d = [100 * (bl[ka] / bl[kb] - 1) for bl in blocks]
-        out[f"{basis}_pairs_pct"] = d
-        est = report.stratified_overhead_ci(d, full)
-        if est is not None:
-            out[f"{basis}_overhead_pct"], out[f"{basis}_ci95_pct"] = est[0], list(est[1])
+    out.update(blocks.overheads(bl_list, "a", "b", stratified=True))
     # one full's cost as the checkpointer measured it (its cost model): the snapshot on the training thread and
     # the encode + write in the background; and how much of that a block's flush still waited for
     est = ((r0.get("policy") or {}).get("estimates") or {})
     if est.get("full_block", {}).get("n"):
         out["full_snapshot_ms"] = 1e3 * est["full_block"]["mean"]
         out["full_persist_s"] = est["full_persist"]["mean"]
-    fl = [bl["a_flush_s"] for bl in blocks if bl["full"] and "a_flush_s" in bl]
+    fl = [bl["a_flush_s"] for bl in bl_list if bl["full"] and "a_flush_s" in bl]
     if fl:
         out["full_flush_s"] = sum(fl) / len(fl)
-    out["raw_blocks"] = blocks
+    out["raw_blocks"] = bl_list
     bps = (r0.get("diff_bytes_per_step") or 0) + (r0.get("full_bytes_per_step") or 0)
     out["bytes_per_step"] = bps
     if r0.get("full_ckpt_bytes"):
@@ -317,7 +290,7 @@ def summarize(cell: dict, r0: dict) -> dict:
 
 
 def targets(cells: list[dict]) -> dict:
-    """Issue #14's targets on the main cell (the first): <= 1% judged on the CI's upper bound, and the CI no
+    """The targets on the main cell (the first): <= 1% judged on the CI's upper bound, and the CI no
     wider than +-0.5% of step time; bitwise restores everywhere."""
     t = {}
     c = cells[0]
@@ -338,7 +311,7 @@ def targets(cells: list[dict]) -> dict:
     if tier:
         t["amber_tier_restores_within_bound"] = {
             "cells": len(tier), "verdict": "met" if all(x.get("restore_tier_within_bound") for x in tier) else "missed"}
-    # issue #17: Amber's overhead on the trainer <= LowDiff dense's + 1 point; the two cells have separate
+    # Amber's overhead on the trainer <= LowDiff dense's + 1 point; the two cells have separate
     # intervals (each paired with its own reference), so: met when Amber's upper bound is below LowDiff's lower
     # bound + 1, missed when Amber's lower bound is above LowDiff's upper bound + 1, inconclusive otherwise
     dense = [x for x in lossless if x.get("hook") == "none" and x.get("strategy", "lowdiff") == "lowdiff"]
@@ -383,17 +356,17 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {c['job']['kind']}-{c['job']['size']} (batch {c['job']['batch']}) "
             f"| {c.get('strategy', 'lowdiff')}, {c.get('runtime', 'local')} "
-            f"| {report._fmt((c.get('param_count') or 0) / 1e6, '.1f')}M | {c['world']} x {c['threads']} "
+            f"| {report.fmt((c.get('param_count') or 0) / 1e6, '.1f')}M | {c['world']} x {c['threads']} "
             f"| {c['blocks']} ({c.get('fulls', 0)} with a full) "
-            f"| {report._fmt((c.get('step_s_ref_median') or 0) * 1e3, '.0f')} "
-            f"| {report._pct(c.get('wall_overhead_pct'))} | {'[%+.2f, %+.2f]%%' % tuple(ci) if ci else '–'} "
-            f"| {report._pct(c.get('thread_cpu_overhead_pct'))} | {'[%+.2f, %+.2f]%%' % tuple(tci) if tci else '–'} "
-            f"| {report._fmt(c.get('full_snapshot_ms'), '.0f')} / {report._fmt(c.get('full_persist_s'), '.2f')} / "
-            f"{report._fmt(c.get('full_flush_s'), '.2f')} | {report._fmt(c.get('capture_ms_per_step'), '.2f')} "
-            f"| {report._fmt(c.get('sender_cpu_ms_per_step'), '.1f')} "
-            f"| {report._bytes(c.get('diff_bytes_per_step'))} | {report._bytes(c.get('bytes_per_step'))} "
-            f"| {report._fmt(100 * c['fraction_of_full'] if c.get('fraction_of_full') else None, '.2f')} "
-            f"| {report._fmt(c.get('restore_latest_s'), '.3f')} | {_exact(c)} |")
+            f"| {report.fmt((c.get('step_s_ref_median') or 0) * 1e3, '.0f')} "
+            f"| {report.pct(c.get('wall_overhead_pct'))} | {report.interval(ci, '+.2f')} "
+            f"| {report.pct(c.get('thread_cpu_overhead_pct'))} | {report.interval(tci, '+.2f')} "
+            f"| {report.fmt(c.get('full_snapshot_ms'), '.0f')} / {report.fmt(c.get('full_persist_s'), '.2f')} / "
+            f"{report.fmt(c.get('full_flush_s'), '.2f')} | {report.fmt(c.get('capture_ms_per_step'), '.2f')} "
+            f"| {report.fmt(c.get('sender_cpu_ms_per_step'), '.1f')} "
+            f"| {report.nbytes(c.get('diff_bytes_per_step'))} | {report.nbytes(c.get('bytes_per_step'))} "
+            f"| {report.fmt(100 * c['fraction_of_full'] if c.get('fraction_of_full') else None, '.2f')} "
+            f"| {report.fmt(c.get('restore_latest_s'), '.3f')} | {_exact(c)} |")
     ray_cells = [c for c in result["cells"] if c.get("replica_apply_ms_per_step") is not None]
     if ray_cells:
         lines += ["", "The state tier's replica (runtime='ray'):", "",
@@ -404,10 +377,10 @@ def markdown(result: dict) -> str:
             bpi = c.get("amber_bytes_per_increment")
             frac = f" ({100 * bpi / c['full_ckpt_bytes']:.1f} %)" if bpi and c.get("full_ckpt_bytes") else ""
             lines.append(
-                f"| {c.get('strategy', 'lowdiff')} | {report._fmt(c.get('replica_apply_ms_per_step'), '.1f')} "
-                f"| {report._fmt(c.get('replica_amber_ms_per_step'), '.1f')} | {c.get('replica_fulls')} "
-                f"| {c.get('amber_increments') or '–'} | {report._bytes(bpi) if bpi else '–'}{frac} "
-                f"| {report._fmt(c.get('restore_tier_s'), '.3f')} "
+                f"| {c.get('strategy', 'lowdiff')} | {report.fmt(c.get('replica_apply_ms_per_step'), '.1f')} "
+                f"| {report.fmt(c.get('replica_amber_ms_per_step'), '.1f')} | {c.get('replica_fulls')} "
+                f"| {c.get('amber_increments') or '–'} | {report.nbytes(bpi) if bpi else '–'}{frac} "
+                f"| {report.fmt(c.get('restore_tier_s'), '.3f')} "
                 f"| {'–' if c.get('restore_tier_within_bound') is None else ('yes' if c['restore_tier_within_bound'] else 'NO')} |")
     lines += ["", "Targets (first row):", ""]
     lines += report.target_lines(result["targets"]) + report.error_lines(result["errors"])
@@ -435,18 +408,15 @@ def _exact(c: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
     cells = result["cells"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     names = [f"{c['job']['size']}\n{c['world']} workers" for c in cells]
     x = list(range(len(cells)))
     for ax, basis, title in ((axes[0], "wall", "wall"), (axes[1], "thread_cpu", "training-thread CPU")):
         v = [c.get(f"{basis}_overhead_pct") or 0.0 for c in cells]
-        ci = [c.get(f"{basis}_ci95_pct") or [vv, vv] for c, vv in zip(cells, v)]
-        ax.bar(x, v, color="tab:green", alpha=0.75,
-               yerr=[[vv - lo for vv, (lo, _) in zip(v, ci)], [hi - vv for vv, (_, hi) in zip(v, ci)]], capsize=4)
+        report.ci_bars(ax, v, [c.get(f"{basis}_ci95_pct") for c in cells], color="tab:green", alpha=0.75,
+                       capsize=4)
         ax.axhline(1.0, color="tab:red", ls=":", lw=0.9, label="1% target")
         ax.axhline(0.0, color="black", lw=0.8)
         ax.set_xticks(x)
@@ -465,29 +435,21 @@ def plot(result: dict, path: str) -> None:
     ax.set_title("how the costs grow")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------------------
-def run_cell(fork, spec: jobs.JobSpec, world: int, args, workdir: str, log, strategy: str = "lowdiff",
+def run_cell(spec: jobs.JobSpec, world: int, args, workdir: str, log, strategy: str = "lowdiff",
              ray_address: str | None = None) -> tuple[dict | None, dict | None]:
     d = tempfile.mkdtemp(prefix=f"{spec.name}-w{world}-", dir=workdir)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
-    cell = {"dir": d, "job": spec.to_dict(), "world": world, "threads": threads,
+    cell = {"dir": d, "job": spec.to_dict(), "world": world, "threads": harness.threads_per_rank(args.threads, world),
             "blocks": args.blocks, "block_steps": args.block_steps, "warmup": args.warmup, "hook": args.hook,
             "topk_ratio": args.topk_ratio, "seed": args.seed, "full_every": args.full_every,
             "batch_steps": args.batch_steps, "strategy": strategy, "runtime": args.runtime,
             "ray_address": ray_address, "wait_replica": bool(args.wait_replica)}
     jobs.preload(spec)
     t0 = time.perf_counter()
-    procs = [fork.Process(target=cell_main, args=(r, cell)) for r in range(world)]
-    for p in procs:
-        p.start()
-    from benchmarks.run import read_json, reap
-    reap(procs, args.timeout)
-    res = [read_json(os.path.join(d, f"result_rank{r}.json")) or read_json(os.path.join(d, f"error_rank{r}.json"))
-           or {"rank": r, "error": "no result (killed or timed out)"} for r in range(world)]
+    res = harness.run_ranks(_cell, cell, args.timeout)
     shutil.rmtree(d, ignore_errors=True)
     errs = [x for x in res if "error" in x]
     if errs:
@@ -502,13 +464,7 @@ def run_cell(fork, spec: jobs.JobSpec, world: int, args, workdir: str, log, stra
 
 
 def write(result: dict, base: str) -> None:
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(result))
-    if result["cells"]:
-        plot(result, base + ".png")
-    print(open(base + ".md").read(), flush=True)
+    report.write_result(base, result, markdown, plot if result["cells"] else None)
 
 
 def rebuild(path: str) -> None:
@@ -526,14 +482,8 @@ def rebuild(path: str) -> None:
     write(result, os.path.splitext(path)[0])
 
 
-def main(argv=None) -> int:
-    import datetime
-
-    from benchmarks.run import parse_job, preimport
-    args = build_parser().parse_args(argv)
-    if args.rebuild:
-        rebuild(args.rebuild)
-        return 0
+def resolve(args) -> list[tuple[jobs.JobSpec, int]]:
+    """Fill in the defaults that depend on other options; the cells ``(job, world)`` to run."""
     if args.blocks is None:
         args.blocks = 6 if args.scaling else 30
     if "lowdiff-amber" in args.strategies and args.runtime != "ray":
@@ -546,51 +496,54 @@ def main(argv=None) -> int:
     for name in ("blocks", "block_steps", "world"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    cells = [(parse_job(j), w) for j, w in SCALING] if args.scaling else [(parse_job(args.job), args.world)]
-    preimport()
-    fork = mp.get_context("fork")
-    workdir = tempfile.mkdtemp(prefix="ray_ckpt_paired_")
+    return ([(harness.parse_job(j), w) for j, w in SCALING] if args.scaling
+            else [(harness.parse_job(args.job), args.world)])
 
-    def log(msg):
-        print(f"[paired {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    t0 = time.perf_counter()
-    out, errors = [], []
-    host = None
-    try:
-        ray_address = None
-        if args.runtime == "ray":   # started before the ranks fork (they connect to it; nothing Ray in this process)
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private cluster; every process that joins agrees
-            from benchmarks.rayhost import RayHost
-            host = RayHost(os.path.join(workdir, "rayhost"), num_cpus=max(cells[0][1], 1) + 2,
-                           object_store_bytes=args.object_store_mb << 20)
-            ray_address = host.start()
-        for spec, world in cells:
-            for strategy in args.strategies:
-                log(f"{spec.name} batch {spec.batch}/rank x{world} workers, {strategy} ({args.runtime}): "
-                    f"{args.blocks} block pairs of {args.block_steps} steps")
-                s, err = run_cell(fork, spec, world, args, workdir, log, strategy, ray_address)
-                if s is not None:
-                    out.append(s)
-                if err is not None:
-                    errors.append(err)
-    finally:
-        if host is not None:
-            host.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-    settings = {k: getattr(args, k) for k in ("scaling", "blocks", "block_steps", "warmup", "full_every",
-                                              "batch_steps", "hook", "topk_ratio", "seed", "strategies", "runtime",
-                                              "wait_replica")}
-    result = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              "machine": report.machine_info("cpu"), "settings": settings, "cells": out, "errors": errors,
-              "wall_s": time.perf_counter() - t0, "targets": targets(out) if out else {}}
+def result_name(args) -> str:
+    """``paired`` / ``scaling``, with the strategies, ``_dense`` (no hook) and ``_ray`` where they differ."""
     name = "scaling" if args.scaling else "paired"
     if args.strategies != ["lowdiff"] or args.hook != "topk":
         name += "_" + "_".join(args.strategies) + ("_dense" if args.hook == "none" else "")
     if args.runtime == "ray":
         name += "_ray"
-    os.makedirs(args.out, exist_ok=True)
-    write(result, os.path.join(args.out, name))
+    return name
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.rebuild:
+        rebuild(args.rebuild)
+        return 0
+    cells = resolve(args)
+    harness.preimport()
+    workdir = tempfile.mkdtemp(prefix="ray_ckpt_paired_")
+    log = harness.logger("paired")
+    t0 = time.perf_counter()
+    out, errors = [], []
+    try:
+        with contextlib.ExitStack() as stack:
+            ray_address = None
+            if args.runtime == "ray":
+                ray_address = stack.enter_context(harness.private_ray(
+                    os.path.join(workdir, "rayhost"), max(cells[0][1], 1) + 2, args.object_store_mb)).address
+            for spec, world in cells:
+                for strategy in args.strategies:
+                    log(f"{spec.name} batch {spec.batch}/rank x{world} workers, {strategy} ({args.runtime}): "
+                        f"{args.blocks} block pairs of {args.block_steps} steps")
+                    s, err = run_cell(spec, world, args, workdir, log, strategy, ray_address)
+                    if s is not None:
+                        out.append(s)
+                    if err is not None:
+                        errors.append(err)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    settings = {k: getattr(args, k) for k in ("scaling", "blocks", "block_steps", "warmup", "full_every",
+                                              "batch_steps", "hook", "topk_ratio", "seed", "strategies", "runtime",
+                                              "wait_replica")}
+    result = {"date": report.now(), "machine": report.machine_info("cpu"), "settings": settings, "cells": out,
+              "errors": errors, "wall_s": time.perf_counter() - t0, "targets": targets(out) if out else {}}
+    write(result, os.path.join(args.out, result_name(args)))
     return 1 if errors else 0
 
 

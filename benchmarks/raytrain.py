@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from benchmarks import configs, jobs
-from benchmarks.worker import Ctx, build_training, peak_rss_bytes, reset_peak_rss, sync, train_step
+from benchmarks import configs, harness, jobs
+from benchmarks.worker import Ctx, build_training, peak_rss_bytes, pick_device, reset_peak_rss, sync
 
 
 def _ckpt_step(ckpt, rnd: int) -> int:
@@ -46,7 +46,6 @@ def train_loop(seg: dict) -> None:
     torch.set_num_threads(seg["threads"])
     ctx_rt = ray.train.get_context()
     rank, world = ctx_rt.get_world_rank(), ctx_rt.get_world_size()
-    from benchmarks.worker import pick_device
     device = pick_device(seg["device"], ctx_rt.get_local_rank())
     out = {"rank": rank, "segments": []}
     scratch = tempfile.mkdtemp(prefix="rt", dir=seg["dir"])
@@ -66,7 +65,7 @@ def train_loop(seg: dict) -> None:
                 if step == seg["warmup"]:
                     cpu0 = time.process_time()
                 t0, c0 = time.perf_counter(), time.thread_time()
-                train_step(ctx, step)
+                ctx.job.train_step(ctx.ddp, ctx.opt, ctx.sched, step, rank, device)
                 if report:
                     ckpt = None
                     if rank == 0:
@@ -110,34 +109,29 @@ def train_loop(seg: dict) -> None:
 
 
 def driver_main(seg: dict) -> None:
-    """Entry of the forked driver process: connect to the cluster, run one TorchTrainer.fit()."""
-    out = {}
-    try:
-        import ray
-        from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
+    """Entry of the forked driver process: connect to the cluster, run one TorchTrainer.fit()
+    (``raytrain_driver.json``)."""
+    harness.process_main(seg["dir"], lambda out: _drive(seg, out), "raytrain_driver.json")
 
-        env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(seg["raytrain_poll_s"]),
-               "PYTHONPATH": os.pathsep.join(p for p in [seg["repo"], os.environ.get("PYTHONPATH")] if p)}
-        ray.init(address=seg["ray_address"], namespace="ray_ckpt_bench", log_to_driver=False,
-                 configure_logging=False, runtime_env={"env_vars": env})
-        use_gpu = seg["device"] == "cuda" or (seg["device"] == "auto" and torch.cuda.is_available())
-        trainer = TorchTrainer(
-            train_loop, train_loop_config=seg,
-            scaling_config=ScalingConfig(num_workers=seg["world"], use_gpu=use_gpu,
-                                         resources_per_worker={"CPU": 1}),
-            run_config=RunConfig(name=f"bench-{os.path.basename(seg['dir'])}",
-                                 storage_path=os.path.join(seg["dir"], "storage"),
-                                 checkpoint_config=CheckpointConfig(num_to_keep=2)))
-        t0 = time.perf_counter()
-        result = trainer.fit()
-        out["fit_s"] = time.perf_counter() - t0
-        out["error"] = None if result.error is None else repr(result.error)
-        ray.shutdown()
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
-    with open(os.path.join(seg["dir"], "raytrain_driver.json"), "w") as f:
-        json.dump(out, f)
-    os._exit(0 if not out.get("error") else 1)
+
+def _drive(seg: dict, out: dict) -> None:
+    import ray
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(seg["raytrain_poll_s"]),
+           "PYTHONPATH": os.pathsep.join(p for p in [seg["repo"], os.environ.get("PYTHONPATH")] if p)}
+    ray.init(address=seg["ray_address"], namespace=harness.RAY_NAMESPACE, log_to_driver=False,
+             configure_logging=False, runtime_env={"env_vars": env})
+    use_gpu = seg["device"] == "cuda" or (seg["device"] == "auto" and torch.cuda.is_available())
+    trainer = TorchTrainer(
+        train_loop, train_loop_config=seg,
+        scaling_config=ScalingConfig(num_workers=seg["world"], use_gpu=use_gpu, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"bench-{os.path.basename(seg['dir'])}",
+                             storage_path=os.path.join(seg["dir"], "storage"),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    t0 = time.perf_counter()
+    result = trainer.fit()
+    out["fit_s"] = time.perf_counter() - t0
+    out["error"] = None if result.error is None else repr(result.error)
+    ray.shutdown()

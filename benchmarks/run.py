@@ -19,8 +19,8 @@ Outputs (``--out``): ``bench_<mode>.json`` (raw samples + summary), ``bench_<mod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import multiprocessing as mp
 import os
 import random
 import shutil
@@ -28,10 +28,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import configs, jobs, report, worker
-from benchmarks.rayhost import RayHost
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import configs, harness, jobs, segments, worker
 
 MODES = {
     # CI smoke test: every configuration, one tiny job, one round, a few steps
@@ -39,7 +36,7 @@ MODES = {
     # quick: both jobs, small sizes (< ~3 min on 2 cores)
     "quick": dict(jobs=["gpt:tiny:8", "cnn:tiny:16"], rounds=2, steps=12, warmup=3, recover_repeats=2,
                   fail_trials=1),
-    # fast steps (issue #11): Ray Train's Fashion-MNIST MLP at ~100 steps/s, where per-step fixed cost shows;
+    # fast steps: Ray Train's Fashion-MNIST MLP at ~100 steps/s, where per-step fixed cost shows;
     # many short interleaved rounds so that the paired-round confidence interval is tight enough to judge
     "fast": dict(jobs=["mlp:fmnist:32:0.001"], rounds=6, steps=150, warmup=30, recover_repeats=1, fail_trials=0,
                  configs=["none", "torch_save_1", "dcp_async", "lowdiff_dense", "lowdiff_dense_ray",
@@ -50,25 +47,14 @@ MODES = {
 }
 
 
-def parse_job(s: str) -> jobs.JobSpec:
-    """``kind:size:batch[:lr]``, e.g. ``gpt:10m:4`` or ``cnn:small:32``."""
-    parts = s.split(":")
-    if len(parts) not in (3, 4):
-        raise argparse.ArgumentTypeError(f"job must be kind:size:batch[:lr], got {s!r}")
-    spec = jobs.JobSpec(parts[0], parts[1], int(parts[2]), *(float(p) for p in parts[3:]))
-    if spec.kind not in ("gpt", "cnn", "mlp"):
-        raise argparse.ArgumentTypeError(f"job kind must be gpt, cnn or mlp, got {spec.kind!r}")
-    return spec
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=sorted(MODES), default="quick")
     p.add_argument("--smoke", action="store_true", help="same as --mode smoke")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
-    p.add_argument("--jobs", nargs="+", type=parse_job, help="kind:size:batch[:lr] (gpt presets: tiny small "
-                   "10m 25m; cnn sizes: tiny small base); default per mode")
+    p.add_argument("--out", default=harness.RESULTS)
+    p.add_argument("--jobs", nargs="+", type=harness.parse_job, help="kind:size:batch[:lr] (gpt presets: tiny "
+                   "small 10m 25m; cnn sizes: tiny small base); default per mode")
     p.add_argument("--configs", nargs="+", help=f"subset of {[c.name for c in configs.CONFIGS]} (references "
                    "are added automatically)")
     p.add_argument("--rounds", type=int)
@@ -101,9 +87,8 @@ def resolve(args) -> argparse.Namespace:
     preset = MODES[args.mode]
     for k, v in preset.items():
         if getattr(args, k, None) is None:
-            setattr(args, k, [parse_job(j) for j in v] if k == "jobs" else v)
-    if args.threads is None:
-        args.threads = max(1, (os.cpu_count() or 1) // args.world)
+            setattr(args, k, [harness.parse_job(j) for j in v] if k == "jobs" else v)
+    args.threads = harness.threads_per_rank(args.threads, args.world)
     if args.full_every is None:
         args.full_every = args.steps  # one in-loop full per segment, inside the measured window
     if not args.warmup < args.full_every <= args.warmup + args.steps:
@@ -126,65 +111,19 @@ def resolve(args) -> argparse.Namespace:
     return args
 
 
-def reap(procs, timeout, grace: float = 20.0) -> bool:
-    """Wait for ``procs``; once one fails, give the others ``grace`` seconds (they may wait on it in a
-    collective forever), then end them. False when something had to be killed."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-        if any(p.exitcode not in (None, 0) for p in procs):
-            deadline = min(deadline, time.monotonic() + grace)
-        for p in procs:
-            p.join(0.2)
-    ok = not any(p.is_alive() for p in procs)
-    for p in procs:
-        if p.is_alive():
-            p.kill()  # our own child, by its handle
-            p.join(10)
-    return ok
-
-
-def rank_main(rank: int, directory: str, body) -> None:
-    """The body of a forked rank process of a benchmark harness: ``body(out)`` fills the dict ``out``; it is
-    written to ``directory/result_rank<rank>.json``, or with the error and its traceback to
-    ``error_rank<rank>.json``; then the process exits at once (0 or 1; no atexit handlers of the parent's)."""
-    out: dict = {"rank": rank}
-    try:
-        body(out)
-        name = f"result_rank{rank}.json"
-    except BaseException as e:  # noqa: BLE001 - reported to the orchestrator
-        import traceback
-        out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        name = f"error_rank{rank}.json"
-    with open(os.path.join(directory, name), "w") as f:
-        json.dump(out, f)
-    os._exit(0 if "error" not in out else 1)
-
-
-def read_json(path):
-    """The JSON in ``path``, or None when it is missing or unreadable (a process that died before writing)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 # ------------------------------------------------------------------------------------------------------------
 class Orchestrator:
     def __init__(self, args):
         self.args = args
-        self.fork = mp.get_context("fork")
         self.root = args.workdir or tempfile.mkdtemp(prefix="rcb", dir="/tmp")  # short: Ray socket paths
         os.makedirs(self.root, exist_ok=True)
-        self.host: RayHost | None = None
+        self.host = None   # the private Ray (harness.RayHost) when a configuration needs one
         self.segments: list[dict] = []
         self.failures: list[dict] = []
         self.errors: list[dict] = []
         self.counter = 0
         self.t_start = time.time()
-
-    def log(self, msg: str) -> None:
-        print(f"[bench {time.time() - self.t_start:7.1f}s] {msg}", flush=True)
+        self.log = harness.logger("bench", self.t_start)
 
     # -- segments ------------------------------------------------------------------------------------------
     def seg_dict(self, job: jobs.JobSpec, cfg: configs.Config, rnd: int, **extra) -> dict:
@@ -196,29 +135,22 @@ class Orchestrator:
                "threads": a.threads, "device": a.device, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
                "full_every": a.full_every, "batch_steps": a.batch_steps, "topk_ratio": a.topk_ratio,
                "bucket_cap_mb": a.bucket_cap_mb, "recover_repeats": a.recover_repeats,
-               "run": f"bench-{os.path.basename(self.root)}-{self.counter}", "repo": REPO,
+               "run": f"bench-{os.path.basename(self.root)}-{self.counter}", "repo": harness.REPO,
                "ray_address": self.host.address if self.host else None, "rounds": a.rounds,
                "raytrain_poll_s": a.raytrain_poll_s}
         seg.update(extra)
         return seg
-
-    def _spawn(self, target, args) -> mp.Process:
-        p = self.fork.Process(target=target, args=args, daemon=False)
-        p.start()
-        return p
 
     def run_segment(self, job, cfg, rnd, keep: bool = True) -> None:
         # recovery is timed in the first round only (repeated recover_repeats times there)
         seg = self.seg_dict(job, cfg, rnd, measure_recovery=keep and rnd == 0)
         t0 = time.perf_counter()
         load0 = os.getloadavg()[0]
-        procs = [self._spawn(worker.segment_main, (r, seg)) for r in range(self.args.world)]
-        finished = reap(procs, self.args.segment_timeout)
-        ranks = [read_json(os.path.join(seg["dir"], f"result_rank{r}.json")) for r in range(self.args.world)]
+        procs = [harness.spawn(worker.segment_main, (r, seg)) for r in range(self.args.world)]
+        finished = harness.reap(procs, self.args.segment_timeout)
+        ranks, errs = harness.rank_results(seg["dir"], self.args.world)
         if not finished or any(r is None for r in ranks):
-            errs = [read_json(os.path.join(seg["dir"], f"error_rank{r}.json")) for r in range(self.args.world)]
-            err = {"job": job.name, "config": cfg.name, "round": rnd, "timed_out": not finished,
-                   "errors": [e for e in errs if e]}
+            err = {"job": job.name, "config": cfg.name, "round": rnd, "timed_out": not finished, "errors": errs}
             self.errors.append(err)
             self.log(f"  {job.name} {cfg.name} round {rnd}: FAILED {json.dumps(err)[:2000]}")
         elif not keep:
@@ -237,10 +169,10 @@ class Orchestrator:
         seg = self.seg_dict(job, configs.get("raytrain_report"), -1)
         t0 = time.perf_counter()
         load0 = os.getloadavg()[0]
-        p = self._spawn(__import__("benchmarks.raytrain", fromlist=["driver_main"]).driver_main, (seg,))
-        reap([p], self.args.segment_timeout * max(1, self.args.rounds))
-        drv = read_json(os.path.join(seg["dir"], "raytrain_driver.json")) or {"error": "driver did not report"}
-        ranks = [read_json(os.path.join(seg["dir"], f"raytrain_rank{r}.json")) for r in range(self.args.world)]
+        p = harness.spawn(__import__("benchmarks.raytrain", fromlist=["driver_main"]).driver_main, (seg,))
+        harness.reap([p], self.args.segment_timeout * max(1, self.args.rounds))
+        drv = harness.read_json(os.path.join(seg["dir"], "raytrain_driver.json")) or {"error": "driver did not report"}
+        ranks = [harness.read_json(os.path.join(seg["dir"], f"raytrain_rank{r}.json")) for r in range(self.args.world)]
         if drv.get("error") or any(r is None for r in ranks):
             self.errors.append({"job": job.name, "config": "raytrain", "driver": drv})
             self.log(f"  {job.name} Ray Train: FAILED {json.dumps(drv)[:2000]}")
@@ -262,24 +194,24 @@ class Orchestrator:
         a = self.args
         fail_at = rng.randint(a.warmup + 1, a.warmup + a.steps)
         seg = self.seg_dict(job, cfg, -1, fail_at=fail_at, recover_repeats=1)
-        procs = [self._spawn(worker.segment_main, (r, seg)) for r in range(a.world)]
+        procs = [harness.spawn(worker.segment_main, (r, seg)) for r in range(a.world)]
         procs[0].join(a.segment_timeout)
         for p in procs:  # rank 0 killed itself at fail_at; the others wait on it forever: end them
             if p.is_alive():
                 p.kill()
             p.join(10)
-        reached = read_json(os.path.join(seg["dir"], "reached.json"))
+        reached = harness.read_json(os.path.join(seg["dir"], "reached.json"))
         rec = None
         if reached is not None:
-            p = self._spawn(worker.recover_main, (seg,))
-            reap([p], a.segment_timeout)
-            rec = read_json(os.path.join(seg["dir"], "recovered.json"))
+            p = harness.spawn(worker.recover_main, (seg,))
+            harness.reap([p], a.segment_timeout)
+            rec = harness.read_json(os.path.join(seg["dir"], "recovered.json"))
         if reached is None or rec is None or rec.get("error"):
-            errs = [read_json(os.path.join(seg["dir"], f"error_rank{r}.json")) for r in range(a.world)]
+            _, errs = harness.rank_results(seg["dir"], a.world)
             self.errors.append({"job": job.name, "config": cfg.name, "failure_trial": trial, "reached": reached,
-                                "recovered": rec, "errors": [e for e in errs if e]})
+                                "recovered": rec, "errors": errs})
             self.log(f"  {job.name} {cfg.name} crash test: FAILED reached={reached} rec={rec} "
-                     f"{json.dumps([e for e in errs if e])[:1500]}")
+                     f"{json.dumps(errs)[:1500]}")
         else:
             lost = reached["reached"] - rec["restored"]
             self.failures.append({"job": job.name, "config": cfg.name, "trial": trial, "fail_at": fail_at,
@@ -290,38 +222,41 @@ class Orchestrator:
         shutil.rmtree(seg["dir"], ignore_errors=True)
 
     # -- the whole run ------------------------------------------------------------------------------------------
+    def run_job(self, job, mp_cfgs, rt: bool) -> None:
+        """One job: a settle segment, the interleaved rounds, Ray Train's fit, the crash trials."""
+        a = self.args
+        self.log(f"job {job.name} (batch {job.batch}/rank): {len(mp_cfgs)} configurations x {a.rounds} "
+                 f"rounds x ({a.warmup}+{a.steps}) steps")
+        jobs.preload(job)  # read once here; the forked segments share it
+        self.run_segment(job, mp_cfgs[0], -1, keep=False)  # discarded: lets the machine settle
+        for rnd in range(a.rounds):
+            k = rnd % len(mp_cfgs)
+            for cfg in mp_cfgs[k:] + mp_cfgs[:k]:
+                self.run_segment(job, cfg, rnd)
+        if rt:
+            self.run_raytrain(job)
+        rng = random.Random(f"{a.seed}-{job.name}")
+        for trial in range(a.fail_trials if a.jobs.index(job) < a.fail_jobs else 0):
+            for cfg in a.selected:
+                if cfg.fail_test and cfg.launcher == "mp":
+                    self.run_failure(job, cfg, trial, rng)
+
     def run(self) -> dict:
         a = self.args
         mp_cfgs = [c for c in a.selected if c.launcher == "mp"]
         rt = any(c.launcher == "raytrain" for c in a.selected)
-        if rt or any(c.ray for c in a.selected):
-            self.log("starting a private Ray cluster")
-            # Ray's socket paths must stay under 108 characters: its temp dir is short, whatever --workdir is
-            self.ray_tmp = tempfile.mkdtemp(prefix="rcr", dir="/tmp")
-            self.host = RayHost(self.ray_tmp, num_cpus=2 * a.world + 2, object_store_bytes=a.object_store_mb << 20)
-            self.host.start()
-            self.log(f"Ray at {self.host.address}")
         try:
-            for job in a.jobs:
-                self.log(f"job {job.name} (batch {job.batch}/rank): {len(mp_cfgs)} configurations x {a.rounds} "
-                         f"rounds x ({a.warmup}+{a.steps}) steps")
-                jobs.preload(job)  # read once here; the forked segments share it
-                self.run_segment(job, mp_cfgs[0], -1, keep=False)  # discarded: lets the machine settle
-                for rnd in range(a.rounds):
-                    k = rnd % len(mp_cfgs)
-                    for cfg in mp_cfgs[k:] + mp_cfgs[:k]:
-                        self.run_segment(job, cfg, rnd)
-                if rt:
-                    self.run_raytrain(job)
-                rng = random.Random(f"{a.seed}-{job.name}")
-                for trial in range(a.fail_trials if a.jobs.index(job) < a.fail_jobs else 0):
-                    for cfg in a.selected:
-                        if cfg.fail_test and cfg.launcher == "mp":
-                            self.run_failure(job, cfg, trial, rng)
+            with contextlib.ExitStack() as stack:
+                if rt or any(c.ray for c in a.selected):
+                    self.log("starting a private Ray cluster")
+                    # Ray's socket paths must stay under 108 characters: its temp dir is short, whatever --workdir is
+                    ray_tmp = tempfile.mkdtemp(prefix="rcr", dir="/tmp")
+                    stack.callback(shutil.rmtree, ray_tmp, ignore_errors=True)
+                    self.host = stack.enter_context(harness.private_ray(ray_tmp, 2 * a.world + 2, a.object_store_mb))
+                    self.log(f"Ray at {self.host.address}")
+                for job in a.jobs:
+                    self.run_job(job, mp_cfgs, rt)
         finally:
-            if self.host is not None:
-                self.host.stop()
-                shutil.rmtree(self.ray_tmp, ignore_errors=True)
             if not a.keep:
                 shutil.rmtree(self.root, ignore_errors=True)
         return {"segments": self.segments, "failures": self.failures, "errors": self.errors,
@@ -338,43 +273,19 @@ def settings(args) -> dict:
             "object_store_mb": args.object_store_mb}
 
 
-def preimport() -> None:
-    """Import here, once, what the segments would otherwise import after every fork: DDP's constructor alone
-    pulls in torch._dynamo (sympy, ...), 10 s per process on a busy 2-core machine. Imports start no threads
-    (checked), so forking stays clean; nothing here initializes Ray or runs torch compute."""
-    import threading
-
-    import torch._dynamo  # noqa: F401
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-    import torch.profiler  # noqa: F401
-
-    import examples.gpt  # noqa: F401
-    import ray_ckpt  # noqa: F401
-    import ray_ckpt.compression  # noqa: F401
-    try:
-        import ray.train.torch  # noqa: F401
-        import ray_ckpt.runtime.client  # noqa: F401
-        import ray_ckpt.runtime.coordinator  # noqa: F401
-    except ImportError:
-        pass
-    if threading.active_count() != 1:
-        print(f"[bench] warning: {threading.active_count()} threads before forking", flush=True)
-
-
 def main(argv=None) -> int:
     import signal
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup (our Ray cluster, scratch dir)
     args = resolve(build_parser().parse_args(argv))
-    preimport()
+    harness.preimport()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private cluster; every process that joins agrees
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.makedirs(args.out, exist_ok=True)
     for name, why in args.skipped.items():
         print(f"[bench] {name}: {why}", flush=True)
     raw = Orchestrator(args).run()
-    result = report.build(raw, settings(args), configs.CONFIGS)
-    paths = report.write_all(result, args.out, args.mode)
+    result = segments.build(raw, settings(args), configs.CONFIGS)
+    paths = segments.write_all(result, args.out, args.mode)
     for p in paths:
         print(f"[bench] wrote {p}", flush=True)
     print(open(paths[1]).read() if len(paths) > 1 else "", flush=True)

@@ -1,9 +1,10 @@
 """One benchmark *segment*: the training job under one configuration, in ``world`` data-parallel processes.
 
-Runs in processes forked by :mod:`benchmarks.run` (one per rank). Each segment builds a fresh model, optimizer,
-scheduler and DDP wrapper (identical on every run: same seed, same batches), trains ``warmup + steps`` steps
-with the configuration's saver called after every optimizer step, then drains the saver (waits for everything
-in flight), and rank 0 measures recovery. Results are written as JSON into the segment's directory.
+Runs in processes forked by :mod:`benchmarks.run` (one per rank, :func:`benchmarks.harness.rank_main`). Each
+segment builds a fresh model, optimizer, scheduler and DDP wrapper (identical on every run: same seed, same
+batches), trains ``warmup + steps`` steps with the configuration's saver called after every optimizer step, then
+drains the saver (waits for everything in flight), and rank 0 measures recovery. Results are written as JSON
+into the segment's directory.
 
 Savers (what a configuration does after each step) live here too; every one implements::
 
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks import configs, jobs
+from benchmarks import configs, harness, jobs
 
 # ------------------------------------------------------------------------------------------------------------
 # process helpers
@@ -212,14 +213,32 @@ def _torch_load_into(path: str, model, opt, sched) -> int:
     return int(sd["step"])
 
 
-class TorchSave(Saver):
+class TorchFileSaver(Saver):
+    """A saver whose checkpoint is one ``torch.save`` file, ``FILE`` in the segment's directory (rank 0)."""
+
+    FILE = ""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.path = os.path.join(ctx.dir, self.FILE)
+
+    def recovery(self, ctx):
+        return _torch_load_recovery(ctx, self.path)
+
+    @classmethod
+    def recover_latest(cls, ctx):
+        m, o, s = ctx.fresh()
+        path = os.path.join(ctx.dir, cls.FILE)
+        return _torch_load_into(path, m, o, s) if os.path.exists(path) else 0
+
+
+class TorchSave(TorchFileSaver):
     """``torch.save`` of the full state every ``every`` steps (rank 0), temp file + ``os.replace``."""
 
     FILE = "torch_save.pt"
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.path = os.path.join(ctx.dir, self.FILE)
         self.bytes = 0
         self.saves = 0
 
@@ -235,15 +254,6 @@ class TorchSave(Saver):
     def finish(self):
         return {"bytes_loop": self.bytes, "saves": self.saves}
 
-    def recovery(self, ctx):
-        return _torch_load_recovery(ctx, self.path)
-
-    @classmethod
-    def recover_latest(cls, ctx):
-        m, o, s = ctx.fresh()
-        path = os.path.join(ctx.dir, cls.FILE)
-        return _torch_load_into(path, m, o, s) if os.path.exists(path) else 0
-
 
 def _torch_load_recovery(ctx, path):
     if not os.path.exists(path):  # no save inside the loop (fewer steps than the period)
@@ -253,7 +263,7 @@ def _torch_load_recovery(ctx, path):
     return {"torch_load": {"seconds": t, "step": step, "samples": samples}}
 
 
-class CheckFreq(Saver):
+class CheckFreq(TorchFileSaver):
     """CheckFreq-style two-phase checkpoint: snapshot to preallocated host buffers (after the previous persist
     finished), then persist with ``torch.save`` in a background thread. Rank 0."""
 
@@ -261,7 +271,6 @@ class CheckFreq(Saver):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.path = os.path.join(ctx.dir, self.FILE)
         self.buffers: dict[str, torch.Tensor] = {}
         self.thread: threading.Thread | None = None
         self.bytes = 0
@@ -318,62 +327,68 @@ class CheckFreq(Saver):
         self._wait()
         return {"bytes_loop": self.bytes, "saves": self.saves, "stall_seconds": self.stall}
 
-    def recovery(self, ctx):
-        return _torch_load_recovery(ctx, self.path)
 
-    @classmethod
-    def recover_latest(cls, ctx):
-        m, o, s = ctx.fresh()
-        path = os.path.join(ctx.dir, cls.FILE)
-        return _torch_load_into(path, m, o, s) if os.path.exists(path) else 0
+class AsyncDCP:
+    """``torch.distributed.checkpoint.async_save`` of ``get_state_dict(model, optimizer)`` into
+    ``root/step_<step>``, each save first waiting for the previous one's future (``stall`` counts that wait), the
+    two latest kept. Every rank of the default group (its own gloo group for the planning collectives, as
+    torchtitan does); rank 0 counts the bytes on storage. Training thread of a rank process."""
 
-
-class DCPAsync(Saver):
-    """``torch.distributed.checkpoint.async_save`` every step on every rank (own gloo group for the planning
-    collectives, as torchtitan does), waiting for the previous save's future before starting the next."""
-
-    def __init__(self, ctx):
-        super().__init__(ctx)
+    def __init__(self, root: str, rank: int, every: int = 1):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         self.dcp, self.get_state_dict = dcp, get_state_dict
         self.group = dist.new_group(backend="gloo")
-        self.root = os.path.join(ctx.dir, "dcp")
+        self.root, self.rank, self.every = root, rank, every
         self.fut = None
         self.fut_step = None
         self.bytes = 0
         self.saves = 0
         self.stall = 0.0
 
-    def _wait(self):
+    def dir(self, step: int) -> str:
+        return os.path.join(self.root, f"step_{step:07d}")
+
+    def wait(self) -> None:
+        """Until the save in flight (if any) is on storage."""
         if self.fut is None:
             return
         self.fut.result()
-        if self.ctx.rank == 0:
-            self.bytes += dir_bytes(self._dir(self.fut_step))
-            old = self._dir(self.fut_step - 2 * self.ctx.cfg.every)
-            shutil.rmtree(old, ignore_errors=True)  # keep the two latest
+        if self.rank == 0:
+            self.bytes += dir_bytes(self.dir(self.fut_step))
+            shutil.rmtree(self.dir(self.fut_step - 2 * self.every), ignore_errors=True)  # keep the two latest
         self.saves += 1
         self.fut = None
 
-    def _dir(self, step):
-        return os.path.join(self.root, f"step_{step:07d}")
-
-    def after_step(self, step):
-        if step % self.ctx.cfg.every:
-            return
+    def save(self, model, opt, step: int, extra: dict | None = None) -> None:
+        """Wait for the previous save, then start one of ``model`` and ``opt`` (and ``extra``) at ``step``."""
         t0 = time.perf_counter()
-        self._wait()
+        self.wait()
         self.stall += time.perf_counter() - t0
-        msd, osd = self.get_state_dict(self.ctx.ddp, self.ctx.opt)
-        out = self.dcp.async_save({"model": msd, "optim": osd, "step": step}, checkpoint_id=self._dir(step),
+        msd, osd = self.get_state_dict(model, opt)
+        out = self.dcp.async_save({"model": msd, "optim": osd, **(extra or {})}, checkpoint_id=self.dir(step),
                                   process_group=self.group)
         self.fut = getattr(out, "upload_completion", out)  # AsyncSaveResponse in newer torch, else a Future
         self.fut_step = step
 
+
+class DCPAsync(Saver):
+    """:class:`AsyncDCP` every ``every`` steps on every rank, the step in the state."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.root = os.path.join(ctx.dir, "dcp")
+        self.writer = AsyncDCP(self.root, ctx.rank, ctx.cfg.every)
+
+    def after_step(self, step):
+        if step % self.ctx.cfg.every:
+            return
+        self.writer.save(self.ctx.ddp, self.ctx.opt, step, {"step": step})
+
     def finish(self):
-        self._wait()
-        return {"bytes_loop": self.bytes, "saves": self.saves, "stall_seconds": self.stall}
+        self.writer.wait()
+        w = self.writer
+        return {"bytes_loop": w.bytes, "saves": w.saves, "stall_seconds": w.stall}
 
     @staticmethod
     def _latest(root: str) -> str | None:
@@ -584,13 +599,6 @@ SAVERS: dict[str, type[Saver]] = {"none": Saver, "torch_save": TorchSave, "check
 # ------------------------------------------------------------------------------------------------------------
 # the training loop of a segment
 # ------------------------------------------------------------------------------------------------------------
-def connect_ray(seg: dict) -> None:
-    import ray
-    if not ray.is_initialized():
-        ray.init(address=seg["ray_address"], namespace="ray_ckpt_bench", log_to_driver=False,
-                 configure_logging=False)
-
-
 def make_ddp(model, device, *, bucket_cap_mb: float, hook: str, topk_ratio: float) -> DDP:
     """``model`` in DDP (the default process group), with the top-k 1% hook when ``hook == "topk"``."""
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb)
@@ -610,30 +618,9 @@ def build_training(ctx: Ctx) -> None:
     ctx.sched = jobs.make_scheduler(ctx.opt, total=ctx.total_steps)
 
 
-def train_step(ctx: Ctx, step: int) -> float:
-    x, y = ctx.job.batch(step, ctx.rank, ctx.device)
-    loss = ctx.job.loss(ctx.ddp, x, y)
-    ctx.opt.zero_grad(set_to_none=True)
-    loss.backward()
-    ctx.opt.step()
-    ctx.sched.step()
-    return loss
-
-
 def segment_main(rank: int, seg: dict) -> None:
     """Entry of one forked rank process. Writes ``result_rank<r>.json`` (or ``error_rank<r>.json``)."""
-    out = {"rank": rank}
-    try:
-        _segment(rank, seg, out)
-        name = f"result_rank{rank}.json"
-    except BaseException as e:  # noqa: BLE001 - reported to the orchestrator
-        import traceback
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
-        name = f"error_rank{rank}.json"
-    with open(os.path.join(seg["dir"], name), "w") as f:
-        json.dump(out, f)
-    os._exit(0 if "error" not in out else 1)
+    harness.rank_main(rank, seg["dir"], lambda out: _segment(rank, seg, out))
 
 
 def _segment(rank: int, seg: dict, out: dict) -> None:
@@ -646,10 +633,9 @@ def _segment(rank: int, seg: dict, out: dict) -> None:
     device = pick_device(seg["device"], rank)
     cfg = configs.get(seg["config"])
     ctx = Ctx(seg=seg, rank=rank, world=world, device=device, cfg=cfg)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{seg['dir']}/pg_store", rank=rank, world_size=world)
+    harness.init_process_group(seg, rank, "nccl" if device.type == "cuda" else "gloo")
     if cfg.ray and rank == 0:
-        connect_ray(seg)
+        harness.connect_ray(seg["ray_address"])
     build_training(ctx)
     saver = SAVERS[cfg.saver](ctx)
     phase["setup"] = time.perf_counter() - t_fork
@@ -662,7 +648,7 @@ def _segment(rank: int, seg: dict, out: dict) -> None:
             cpu0, aux0, roles0 = time.process_time(), saver.aux_cpu_seconds(), saver.aux_cpu_roles()
             gcm.on = True
         t0, c0 = time.perf_counter(), time.thread_time()
-        train_step(ctx, step)
+        ctx.job.train_step(ctx.ddp, ctx.opt, ctx.sched, step, rank, device)
         saver.after_step(step + 1)
         sync(device)
         times.append(time.perf_counter() - t0)
@@ -706,25 +692,21 @@ def _segment(rank: int, seg: dict, out: dict) -> None:
 
 
 def recover_main(seg: dict) -> None:
-    """Entry of the process that recovers after an injected crash: restore the latest state, report its step."""
-    out = {}
-    try:
-        torch.set_num_threads(seg["threads"])
-        cfg = configs.get(seg["config"])
-        device = pick_device(seg["device"], 0)
-        ctx = Ctx(seg=seg, rank=0, world=seg["world"], device=device, cfg=cfg)
-        if cfg.ray:
-            connect_ray(seg)
-        t0 = time.perf_counter()
-        out["restored"] = SAVERS[cfg.saver].recover_latest(ctx)
-        out["recover_s"] = time.perf_counter() - t0
-        if cfg.ray:
-            from ray_ckpt.runtime.coordinator import shutdown_run
-            shutdown_run(seg["run"])
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-        out["error"] = f"{type(e).__name__}: {e}"
-        out["traceback"] = traceback.format_exc()
-    with open(os.path.join(seg["dir"], "recovered.json"), "w") as f:
-        json.dump(out, f)
-    os._exit(0 if "error" not in out else 1)
+    """Entry of the process that recovers after an injected crash: restore the latest state, report its step
+    (``recovered.json``)."""
+    harness.process_main(seg["dir"], lambda out: _recover(seg, out), "recovered.json")
+
+
+def _recover(seg: dict, out: dict) -> None:
+    torch.set_num_threads(seg["threads"])
+    cfg = configs.get(seg["config"])
+    device = pick_device(seg["device"], 0)
+    ctx = Ctx(seg=seg, rank=0, world=seg["world"], device=device, cfg=cfg)
+    if cfg.ray:
+        harness.connect_ray(seg["ray_address"])
+    t0 = time.perf_counter()
+    out["restored"] = SAVERS[cfg.saver].recover_latest(ctx)
+    out["recover_s"] = time.perf_counter() - t0
+    if cfg.ray:
+        from ray_ckpt.runtime.coordinator import shutdown_run
+        shutdown_run(seg["run"])

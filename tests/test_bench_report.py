@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from benchmarks import report
+from benchmarks import report, segments
 
 
 def test_paired_median_ci_is_the_median_with_a_bootstrap_interval_around_it():
@@ -38,7 +38,7 @@ def test_ci_verdict_calls_met_or_missed_only_when_the_interval_is_on_one_side():
 def test_the_fast_steps_targets_are_judged_on_the_interval():
     summ = {"lowdiff_topk_ray": {"overhead_paired_median_pct": 6.0, "overhead_ci95_pct": [2.0, 9.5]},
             "lowdiff_dense_ray": {"overhead_paired_median_pct": 30.0, "overhead_ci95_pct": [20.0, 40.0]}}
-    t = report.targets(summ)
+    t = segments.targets(summ)
     assert t["lowdiff_topk_ray_overhead_le_10pct_ci95"]["verdict"] == "met"
     assert t["lowdiff_dense_ray_overhead_le_25pct_ci95"]["verdict"] == "inconclusive"
 
@@ -50,7 +50,7 @@ def test_the_lowdiff_target_reads_the_upper_bound_and_the_resolution_the_interva
                              "overhead_thread_cpu_paired_median_pct": 0.9, "overhead_thread_cpu_ci95_pct": [0.2, 1.6],
                              "overhead_thread_cpu_paired_rounds_pct": rounds},
             "torch_save_1": {"overhead_ci95_pct": [40.0, 60.0]}}
-    t = report.targets(summ)
+    t = segments.targets(summ)
     assert t["lowdiff_topk_overhead_le_1pct_wall_ci95"]["verdict"] == "met"
     assert t["lowdiff_topk_ci95_halfwidth_le_0.5pct_wall"]["verdict"] == "met"
     assert t["lowdiff_topk_overhead_le_1pct_train_thread_cpu_ci95"]["verdict"] == "inconclusive"
@@ -80,8 +80,8 @@ def test_a_run_where_every_segment_failed_still_writes_its_report(tmp_path):
     args = run.resolve(run.build_parser().parse_args(["--mode", "fast", "--configs", "none", "--out", str(tmp_path)]))
     err = {"job": "mlp-fmnist", "config": "none", "round": 0, "errors": [{"rank": 0, "error": "NameError: boom"}]}
     raw = {"segments": [], "failures": [], "errors": [err], "wall_s": 1.0}
-    result = report.build(raw, run.settings(args), configs.CONFIGS)
-    paths = report.write_all(result, str(tmp_path), "fast")
+    result = segments.build(raw, run.settings(args), configs.CONFIGS)
+    paths = segments.write_all(result, str(tmp_path), "fast")
     assert [p.rsplit(".", 1)[1] for p in paths] == ["json", "md", "png"]
     assert all((tmp_path / p.rsplit("/", 1)[1]).stat().st_size > 0 for p in paths)
     assert "NameError: boom" in (tmp_path / "bench_fast.md").read_text()

@@ -1,4 +1,5 @@
-"""Summaries of a benchmark run: medians and ratios, the markdown table, the PNG plot, the JSON file.
+"""The report of a ``benchmarks.run`` result (orchestrator): medians and ratios per configuration, the targets,
+the markdown tables, the PNG plot, the JSON file (shared pieces: :mod:`benchmarks.report`).
 
 Definitions (per job and configuration, over every measured step of every round):
 
@@ -19,102 +20,14 @@ Definitions (per job and configuration, over every measured step of every round)
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
-import statistics
+
+from benchmarks import configs
+from benchmarks.report import (ci_bars, ci_verdict, error_lines, fmt, lowdiff_overhead_targets, machine_info, median,
+                               nbytes, now, paired_median_ci, pct, pyplot, save_figure, target_lines, write_result)
 
 REFERENCE_DDP = "none"
-
-
-BOOTSTRAP_RESAMPLES = 10000
-
-
-def paired_median_ci(xs: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
-                     ) -> tuple[float, tuple[float, float]] | None:
-    """The median of the paired differences ``xs`` (one per round: the configuration's mean step against its
-    reference's in the same round) and its 95% percentile-bootstrap confidence interval (``resamples`` resamples
-    of the rounds, fixed seed): :func:`stratified_overhead_ci` without a rare stratum. Robust to a round
-    disturbed by other work on the machine, which moves a mean and a Student-t interval a lot. None with fewer
-    than three rounds (a bootstrap of two is no interval)."""
-    xs = [x for x in xs if x is not None]
-    return stratified_overhead_ci(xs, [False] * len(xs), resamples, seed)
-
-
-def stratified_overhead_ci(pairs: list[float], rare: list[bool], resamples: int = BOOTSTRAP_RESAMPLES,
-                           seed: int = 0) -> tuple[float, tuple[float, float]] | None:
-    """Amortized overhead from paired block differences ``pairs`` (%), where ``rare[i]`` marks a block that holds
-    a rare, costly event (a full checkpoint): ``(1 - w) * median(common) + w * mean(rare)``, ``w`` = the rare
-    blocks' share. The median keeps a block disturbed by other work from moving the figure; the mean over the
-    rare blocks keeps their cost in it (a plain median would drop it). 95% CI: percentile bootstrap, resampling
-    each stratum on its own (fixed seed). None with fewer than three common blocks."""
-    import random as _random
-    common = [p for p, r in zip(pairs, rare) if not r]
-    hot = [p for p, r in zip(pairs, rare) if r]
-    if len(common) < 3:
-        return None
-    w = len(hot) / len(pairs)
-
-    def stat(c, h):
-        return (1 - w) * statistics.median(c) + (w * sum(h) / len(h) if h else 0.0)
-
-    rng = _random.Random(seed)
-    vals = sorted(stat([common[rng.randrange(len(common))] for _ in common],
-                       [hot[rng.randrange(len(hot))] for _ in hot]) for _ in range(resamples))
-    return stat(common, hot), (vals[int(0.025 * (resamples - 1))], vals[int(0.975 * (resamples - 1))])
-
-
-def ci_verdict(ci, limit: float) -> str:
-    """``met`` when the whole interval is at or below ``limit``, ``missed`` when it is all above, else
-    ``inconclusive``."""
-    if ci is None:
-        return "inconclusive"
-    return "met" if ci[1] <= limit else ("missed" if ci[0] > limit else "inconclusive")
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def machine_info(device: str = "auto") -> dict:
-    info = {"cpu": "unknown", "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_gb"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    import torch
-    info["torch"] = torch.__version__
-    try:
-        import ray
-        info["ray"] = ray.__version__
-    except ImportError:
-        info["ray"] = None
-    try:
-        import ray_ckpt
-        info["ray_ckpt"] = ray_ckpt.__version__
-    except ImportError:
-        pass
-    if device != "cpu" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["gpu_count"] = torch.cuda.device_count()
-        info["cuda"] = torch.version.cuda
-        try:
-            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # noqa: BLE001
-            pass
-    return info
 
 
 def summarize_config(segs: list[dict], cfg=None, settings: dict | None = None) -> dict:
@@ -123,24 +36,24 @@ def summarize_config(segs: list[dict], cfg=None, settings: dict | None = None) -
     loop_steps = [len(r["step_s"]) + len(r.get("warmup_s", [])) for r in r0]
     every = getattr(cfg, "every", 1)
     out = {"segments": len(segs), "samples": len(steps),
-           "median_step_s": _median(steps), "mean_step_s": sum(steps) / len(steps) if steps else None,
+           "median_step_s": median(steps), "mean_step_s": sum(steps) / len(steps) if steps else None,
            "round_means_s": {s["round"]: sum(r["step_s"]) / len(r["step_s"]) for s, r in zip(segs, r0)},
            "round_thread_cpu_s": {s["round"]: sum(r["thread_cpu_step_s"]) / len(r["thread_cpu_step_s"])
                                   for s, r in zip(segs, r0) if r.get("thread_cpu_step_s")},
            "round_cpu_s": {s["round"]: sum(x.get("cpu_s", 0) + x.get("aux_cpu_s", 0) for x in s["ranks"])
                            / len(s["ranks"][0]["step_s"]) for s in segs},
-           "drain_s": _median([r.get("drain_s") for r in r0]),
-           "bytes_per_step": _median([r.get("bytes_loop", 0) / n for r, n in zip(r0, loop_steps)]),
-           "full_ckpt_bytes": _median([r.get("full_ckpt_bytes") for r in r0]),
+           "drain_s": median([r.get("drain_s") for r in r0]),
+           "bytes_per_step": median([r.get("bytes_loop", 0) / n for r, n in zip(r0, loop_steps)]),
+           "full_ckpt_bytes": median([r.get("full_ckpt_bytes") for r in r0]),
            "param_count": r0[0].get("param_count"),
-           "cpu_per_step_s": _median([sum(x.get("cpu_s", 0) + x.get("aux_cpu_s", 0) for x in sg["ranks"])
+           "cpu_per_step_s": median([sum(x.get("cpu_s", 0) + x.get("aux_cpu_s", 0) for x in sg["ranks"])
                                       / len(sg["ranks"][0]["step_s"]) for sg in segs]),
-           "aux_cpu_per_step_s": _median([sum(x.get("aux_cpu_s", 0) for x in sg["ranks"]) / len(sg["ranks"][0]["step_s"])
+           "aux_cpu_per_step_s": median([sum(x.get("aux_cpu_s", 0) for x in sg["ranks"]) / len(sg["ranks"][0]["step_s"])
                                           for sg in segs]),
-           "thread_cpu_median_s": _median([t for r in r0 for t in r.get("thread_cpu_step_s", [])]),
-           "loadavg_median": _median([x for sg in segs for x in sg.get("loadavg", [])]),
-           "peak_rss_mb": _median([r.get("peak_rss_train", r.get("peak_rss")) for r in r0]),
-           "peak_rss_all_ranks_mb": _median([max(x.get("peak_rss_train", x.get("peak_rss", 0)) for x in s["ranks"])
+           "thread_cpu_median_s": median([t for r in r0 for t in r.get("thread_cpu_step_s", [])]),
+           "loadavg_median": median([x for sg in segs for x in sg.get("loadavg", [])]),
+           "peak_rss_mb": median([r.get("peak_rss_train", r.get("peak_rss")) for r in r0]),
+           "peak_rss_all_ranks_mb": median([max(x.get("peak_rss_train", x.get("peak_rss", 0)) for x in s["ranks"])
                                              for s in segs])}
     for k in ("peak_rss_mb", "peak_rss_all_ranks_mb"):
         if out[k] is not None:
@@ -148,14 +61,14 @@ def summarize_config(segs: list[dict], cfg=None, settings: dict | None = None) -
     if every > 1:  # a periodic save: its size over its period (the window may hold more or fewer saves)
         per_save = [r.get("bytes_loop", 0) / r["saves"] for r in r0 if r.get("saves")]
         if per_save:
-            out["bytes_per_step"] = _median(per_save) / every
+            out["bytes_per_step"] = median(per_save) / every
     if out["bytes_per_step"] is not None and out["full_ckpt_bytes"]:
         out["fraction_of_full"] = out["bytes_per_step"] / out["full_ckpt_bytes"]
     if any("diff_bytes" in r for r in r0):
-        out["diff_bytes_per_step"] = _median([r["diff_bytes"] / n for r, n in zip(r0, loop_steps) if "diff_bytes" in r])
-        out["full_object_bytes"] = _median([r.get("full_object_bytes") for r in r0])
+        out["diff_bytes_per_step"] = median([r["diff_bytes"] / n for r, n in zip(r0, loop_steps) if "diff_bytes" in r])
+        out["full_object_bytes"] = median([r.get("full_object_bytes") for r in r0])
         if all(r.get("attach_full_bytes") is not None for r in r0):  # fulls in the loop (with optimizer state)
-            out["full_object_bytes"] = _median([(r["full_bytes"] - r["attach_full_bytes"]) / r["in_loop_fulls"]
+            out["full_object_bytes"] = median([(r["full_bytes"] - r["attach_full_bytes"]) / r["in_loop_fulls"]
                                                 for r in r0 if r.get("in_loop_fulls")])
         if out["full_ckpt_bytes"]:
             out["diff_fraction_of_full"] = out["diff_bytes_per_step"] / out["full_ckpt_bytes"]
@@ -168,19 +81,19 @@ def summarize_config(segs: list[dict], cfg=None, settings: dict | None = None) -
         stats = [r["stats"] for r in r0 if "stats" in r]
         if stats:
             n = [len(r["step_s"]) + len(r.get("warmup_s", [])) for r in r0 if "stats" in r]
-            out["per_step_ms"] = {k: _median([st.get(k, 0) / m * 1e3 for st, m in zip(stats, n)])
+            out["per_step_ms"] = {k: median([st.get(k, 0) / m * 1e3 for st, m in zip(stats, n)])
                                   for k in ("capture_seconds", "encode_seconds", "write_seconds", "stall_seconds")}
     if any("uncommitted_lag" in r for r in r0):
         lags = [x for r in r0 for x in r.get("uncommitted_lag", [])]
         if lags:
-            out["uncommitted_lag_median"] = _median(lags)
+            out["uncommitted_lag_median"] = median(lags)
             out["uncommitted_lag_max"] = max(lags)
     gcs = [(r["gc_s"], r.get("gc_longest_s", 0.0), r.get("gc_collections", [0, 0, 0]), len(r["step_s"]))
            for r in r0 if r.get("gc_s") is not None and r["step_s"]]
     if gcs:   # rank 0's interpreter garbage collector over the measured steps
-        out["gc_ms_per_step"] = _median([g / n * 1e3 for g, _, _, n in gcs])
+        out["gc_ms_per_step"] = median([g / n * 1e3 for g, _, _, n in gcs])
         out["gc_longest_ms"] = max(x for _, x, _, _ in gcs) * 1e3
-        out["gc_collections_per_1000_steps"] = [_median([c[i] / n * 1000 for _, _, c, n in gcs]) for i in range(3)]
+        out["gc_collections_per_1000_steps"] = [median([c[i] / n * 1000 for _, _, c, n in gcs]) for i in range(3)]
     lags = [x for r in r0 for x in r.get("replica_lag", [])]
     if lags:
         lags.sort()
@@ -188,14 +101,14 @@ def summarize_config(segs: list[dict], cfg=None, settings: dict | None = None) -
         out["replica_lag_p99"] = lags[min(len(lags) - 1, int(0.99 * len(lags)))]
     roles = [(r.get("aux_cpu_roles_s") or {}, len(r["step_s"])) for r in r0 if r.get("aux_cpu_roles_s")]
     if roles:
-        out["actor_cpu_per_step_ms"] = {k: _median([d[k] / n * 1e3 for d, n in roles if k in d and n])
+        out["actor_cpu_per_step_ms"] = {k: median([d[k] / n * 1e3 for d, n in roles if k in d and n])
                                         for k in sorted({k for d, _ in roles for k in d})}
     rec: dict[str, list] = {}
     for r in r0:
         for k, v in (r.get("recovery") or {}).items():
             rec.setdefault(k, []).append(v)
     if rec:
-        out["recovery"] = {k: {"seconds": _median([x["seconds"] for x in v]), "step": v[-1].get("step"),
+        out["recovery"] = {k: {"seconds": median([x["seconds"] for x in v]), "step": v[-1].get("step"),
                                "samples": [s for x in v for s in x.get("samples", [])]} for k, v in rec.items()}
     if segs[0].get("fit_s") is not None:
         out["fit_s"] = segs[0]["fit_s"]
@@ -245,7 +158,7 @@ def build(raw: dict, settings: dict, all_configs) -> dict:
         est = full_cost_estimate(summ, settings)
         if est:
             jobs_out[job]["lowdiff_full_cost_estimate"] = est
-    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    return {"date": now(),
             "machine": machine_info(settings.get("device", "auto")), "settings": settings, "jobs": jobs_out,
             "errors": raw["errors"], "wall_s": raw["wall_s"], "raw": {"segments": raw["segments"],
                                                                       "failures": raw["failures"]},
@@ -269,18 +182,6 @@ def full_cost_estimate(summ: dict, settings: dict) -> dict | None:
     at = {str(F): 100 * (d + f / F) / t for F in (fe, 50, 100)}
     return {"diff_step_overhead_pct": 100 * d / t, "full_cost_s": f, "full_cost_steps": f / t,
             "overhead_pct_at": at}
-
-
-def lowdiff_overhead_targets(basis: str, overhead: float, ci, pairs: int, width: bool = True) -> dict:
-    """Issue #14's two targets on one metric (``basis``): LowDiff top-k at its default policy <= 1% of step time,
-    judged on the interval's upper bound; and (``width``) the interval no wider than +-0.5% of step time."""
-    t = {f"lowdiff_topk_overhead_le_1pct_{basis}_ci95": {"overhead_pct": overhead, "ci95_pct": ci,
-                                                         "verdict": ci_verdict(ci, 1.0)}}
-    if width:
-        half = (ci[1] - ci[0]) / 2
-        t[f"lowdiff_topk_ci95_halfwidth_le_0.5pct_{basis}"] = {"halfwidth_pct": half, "pairs": pairs,
-                                                               "verdict": "met" if half <= 0.5 else "missed"}
-    return t
 
 
 def targets(summ: dict) -> dict:
@@ -310,7 +211,7 @@ def targets(summ: dict) -> dict:
             t["bytes_per_step_le_1pct"] = {"diff_only_pct": 100 * ld["diff_fraction_of_full"],
                                            "with_fulls_pct": 100 * ld.get("fraction_of_full", float("nan")),
                                            "verdict": "met" if ld["diff_fraction_of_full"] <= 0.01 else "missed"}
-    # issue #11 (fast steps): checkpointing every step costs <= 25% dense, <= 10% top-k (paired-round 95% CI)
+    # fast steps: checkpointing every step costs <= 25% dense, <= 10% top-k (paired-round 95% CI)
     for name, limit in (("lowdiff_dense", 25.0), ("lowdiff_dense_ray", 25.0), ("lowdiff_dense_ray_fulls", 25.0),
                         ("lowdiff_topk", 10.0), ("lowdiff_topk_ray", 10.0)):
         s = summ.get(name)
@@ -326,7 +227,7 @@ def targets(summ: dict) -> dict:
             sp = d["seconds"] / m["seconds"]
             t[f"memory_vs_durable_{point}"] = {"speedup": sp, "memory_s": m["seconds"], "durable_s": d["seconds"],
                                                "verdict": "met" if sp >= 3 else "missed"}
-    # issue #10: the latest step from the replica >= 10x faster than the durable chain, within 3x of one copy
+    # the state tier: the latest step from the replica >= 10x faster than the durable chain, within 3x of one copy
     m, d, cp = rec.get("memory_latest"), rec.get("durable_latest"), rec.get("copy_state")
     if m and d and cp and m["seconds"]:
         t["replica_latest_vs_durable_chain"] = {"speedup": d["seconds"] / m["seconds"], "replica_s": m["seconds"],
@@ -338,47 +239,6 @@ def targets(summ: dict) -> dict:
     if lost:
         t["lowdiff_ray_steps_lost_le_1"] = {"lost": lost, "verdict": "met" if max(lost) <= 1 else "missed"}
     return t
-
-
-# ------------------------------------------------------------------------------------------------------------
-def _fmt(x, spec=".1f", none="–"):
-    return none if x is None else format(x, spec)
-
-
-def _val(v) -> str:
-    """A target's value for the markdown: floats to 3 significant digits, lists of floats too."""
-    if isinstance(v, float):
-        return _fmt(v, ".3g")
-    if isinstance(v, list) and v and all(isinstance(x, float) for x in v):
-        return "[" + ", ".join(_fmt(x, ".3g") for x in v) + "]"
-    return str(v)
-
-
-def target_lines(targets: dict) -> list[str]:
-    """Markdown bullets of targets: their figures, and the verdict (bold unless met)."""
-    out = []
-    for k, v in targets.items():
-        vals = ", ".join(f"{kk}={_val(vv)}" for kk, vv in v.items() if kk != "verdict")
-        verd = v["verdict"] if v["verdict"] == "met" else f"**{v['verdict']}**"
-        out.append(f"- {k}: {vals} — {verd}")
-    return out
-
-
-def error_lines(errors: list) -> list[str]:
-    return ["", "## Errors", ""] + [f"- `{json.dumps(e)[:600]}`" for e in errors] if errors else []
-
-
-def _pct(x):
-    return "–" if x is None else f"{x:+.1f}%"
-
-
-def _bytes(n):
-    if n is None:
-        return "–"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 def markdown(result: dict, all_configs) -> str:
@@ -402,8 +262,8 @@ def markdown(result: dict, all_configs) -> str:
         c = j["configs"]
         any_c = next(iter(c.values()))
         lines += ["", f"## {job}: {any_c.get('param_count', 0) / 1e6:.2f}M parameters, full checkpoint "
-                      f"(model + optimizer state) {_bytes(any_c.get('full_ckpt_bytes'))}", "",
-                  f"Load average during this job: median {_fmt(_median([x.get('loadavg_median') for x in c.values()]), '.1f')} "
+                      f"(model + optimizer state) {nbytes(any_c.get('full_ckpt_bytes'))}", "",
+                  f"Load average during this job: median {fmt(median([x.get('loadavg_median') for x in c.values()]), '.1f')} "
                   f"on {m.get('cores')} cores (other work on the machine adds noise to wall times; the CPU columns "
                   "are less sensitive to it).", "",
                   "| configuration | reference | step ms (median) | overhead, wall (median of paired rounds) "
@@ -421,21 +281,21 @@ def markdown(result: dict, all_configs) -> str:
                 return "–" if own or not v else "[%+.1f, %+.1f]%%" % tuple(v)
 
             lines.append(
-                f"| {labels.get(name, name)} | {ref_label} | {_fmt(s['median_step_s'] * 1e3)} "
-                f"| {'–' if own else _pct(s.get('overhead_paired_median_pct'))} | {ci('overhead_ci95_pct')} "
-                f"| {'–' if own else _pct(s.get('overhead_thread_cpu_paired_median_pct'))} "
+                f"| {labels.get(name, name)} | {ref_label} | {fmt(s['median_step_s'] * 1e3)} "
+                f"| {'–' if own else pct(s.get('overhead_paired_median_pct'))} | {ci('overhead_ci95_pct')} "
+                f"| {'–' if own else pct(s.get('overhead_thread_cpu_paired_median_pct'))} "
                 f"| {ci('overhead_thread_cpu_ci95_pct')} "
-                f"| {'–' if own else _pct(s.get('overhead_cpu_paired_median_pct'))} | {ci('overhead_cpu_ci95_pct')} "
-                f"| {_pct(s.get('overhead_pct'))} | {_pct(s.get('vs_ddp_pct'))} "
-                f"| {_bytes(s.get('bytes_per_step'))} | {_fmt(100 * s['fraction_of_full'] if 'fraction_of_full' in s else None, '.2f')} "
-                f"| {_fmt(s.get('peak_rss_mb'), '.0f')} MB | {_fmt(s.get('drain_s'), '.2f')} "
+                f"| {'–' if own else pct(s.get('overhead_cpu_paired_median_pct'))} | {ci('overhead_cpu_ci95_pct')} "
+                f"| {pct(s.get('overhead_pct'))} | {pct(s.get('vs_ddp_pct'))} "
+                f"| {nbytes(s.get('bytes_per_step'))} | {fmt(100 * s['fraction_of_full'] if 'fraction_of_full' in s else None, '.2f')} "
+                f"| {fmt(s.get('peak_rss_mb'), '.0f')} MB | {fmt(s.get('drain_s'), '.2f')} "
                 f"| {', '.join(map(str, lost)) if lost else '–'} |")
         extra = []
         for name, s in c.items():
             if "diff_bytes_per_step" in s:
-                extra.append(f"- {labels.get(name, name)}: diffs alone {_bytes(s['diff_bytes_per_step'])}/step = "
+                extra.append(f"- {labels.get(name, name)}: diffs alone {nbytes(s['diff_bytes_per_step'])}/step = "
                              f"{100 * s['diff_fraction_of_full']:.2f}% of a full checkpoint; with one full "
-                             f"({_bytes(s.get('full_object_bytes'))} encoded) every {st['full_every']} steps "
+                             f"({nbytes(s.get('full_object_bytes'))} encoded) every {st['full_every']} steps "
                              f"{100 * s.get('fraction_of_full', 0):.2f}%"
                              + (f"; per step: capture {s['per_step_ms']['capture_seconds']:.2f} ms (training thread), "
                                 f"encode {s['per_step_ms']['encode_seconds']:.2f} ms + write "
@@ -451,7 +311,7 @@ def markdown(result: dict, all_configs) -> str:
                 extra.append(f"- {labels.get(name, name)}: steps since the newest checkpoint handed to the Ray Train "
                              f"controller, at each step end: median {s['uncommitted_lag_median']}, max "
                              f"{s['uncommitted_lag_max']} (a crash loses at least this many; committed only at the "
-                             f"next poll); fit() {_fmt(s.get('fit_s'))} s incl. worker start-up")
+                             f"next poll); fit() {fmt(s.get('fit_s'))} s incl. worker start-up")
         gc_rows = [(name, s) for name, s in c.items() if s.get("gc_ms_per_step") is not None]
         if gc_rows:
             extra.append("- Python garbage collector in rank 0 over the measured steps (per step; collections of "
@@ -500,9 +360,7 @@ def markdown(result: dict, all_configs) -> str:
 
 
 def plot(result: dict, path: str, all_configs) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     labels = {c.name: c.label for c in all_configs}
@@ -512,8 +370,7 @@ def plot(result: dict, path: str, all_configs) -> None:
         fig = plt.figure(figsize=(8, 2))   # the JSON and the markdown)
         fig.text(0.5, 0.5, f"no segment completed ({len(result.get('errors') or [])} errors: see bench_*.md)",
                  ha="center", va="center")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path)
         return
     fig, axes = plt.subplots(len(jobs), 2, figsize=(16, 1.8 + 4.6 * len(jobs)), squeeze=False)
     for row, job in enumerate(jobs):
@@ -525,8 +382,7 @@ def plot(result: dict, path: str, all_configs) -> None:
         colors = ["tab:green" if n.startswith(ours) else ("tab:gray" if n == "topk_none" else "tab:red")
                   for n in names]
         cis = [c[n].get("overhead_ci95_pct") or [m, m] for n, m in zip(names, mean)]
-        ax.barh(y, mean, color=colors, alpha=0.75,
-                xerr=[[m - lo for m, (lo, _) in zip(mean, cis)], [hi - m for m, (_, hi) in zip(mean, cis)]],
+        ci_bars(ax, mean, cis, horizontal=True, color=colors, alpha=0.75,
                 error_kw={"ecolor": "black", "capsize": 3, "lw": 0.9})
         med = [c[n].get("overhead_thread_cpu_paired_median_pct") or 0.0 for n in names]
         cpu = [c[n].get("overhead_cpu_paired_median_pct", c[n].get("overhead_cpu_pct")) or 0.0 for n in names]
@@ -561,7 +417,7 @@ def plot(result: dict, path: str, all_configs) -> None:
         if diff:
             ax.scatter([d for _, d in diff], [yi for yi, _ in diff], color="black", marker="o", s=18, zorder=3)
         for yi, n, v in zip(yb, bnames, frac):
-            ax.annotate(f"{_bytes(c[n]['bytes_per_step'])}/step = {v:.3g}%", (v, yi), xytext=(5, 0),
+            ax.annotate(f"{nbytes(c[n]['bytes_per_step'])}/step = {v:.3g}%", (v, yi), xytext=(5, 0),
                         textcoords="offset points", va="center", fontsize=8)
         ax.set_xscale("log")
         ax.set_yticks(yb)
@@ -569,7 +425,7 @@ def plot(result: dict, path: str, all_configs) -> None:
         ax.axvline(1.0, color="tab:blue", ls="--", lw=0.8)
         ax.set_xlabel("bytes persisted per step, % of a full checkpoint (model + optimizer state), log scale")
         full = next(iter(c.values())).get("full_ckpt_bytes")
-        ax.set_title(f"{job}: bytes per step (a full checkpoint = {_bytes(full)})")
+        ax.set_title(f"{job}: bytes per step (a full checkpoint = {nbytes(full)})")
         ax.grid(axis="x", alpha=0.3, which="major")
         lo = min(frac + [d for _, d in diff] + [1.0]) / 3 if frac else 0.1
         ax.set_xlim(lo, max(frac + [100.0]) * 15)
@@ -594,42 +450,22 @@ def plot(result: dict, path: str, all_configs) -> None:
                  f"{st['world']} DDP ranks, {st['rounds']} rounds x {st['steps']} steps, full every {st['full_every']}",
                  fontsize=10)
     fig.tight_layout(rect=(0, 0.3 / len(jobs) * 0.35 + 0.02, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_all(result: dict, out_dir: str, mode: str) -> list[str]:
-    from benchmarks import configs
-    os.makedirs(out_dir, exist_ok=True)
-    pj, pm, pp = (os.path.join(out_dir, f"bench_{mode}.{ext}") for ext in ("json", "md", "png"))
-    with open(pj, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(pm, "w") as f:
-        f.write(markdown(result, configs.CONFIGS))
-    plot(result, pp, configs.CONFIGS)
-    return [pj, pm, pp]
+    """``bench_<mode>.json`` / ``.md`` / ``.png`` in ``out_dir``; the paths."""
+    return write_result(os.path.join(out_dir, f"bench_{mode}"), result, lambda r: markdown(r, configs.CONFIGS),
+                        lambda r, path: plot(r, path, configs.CONFIGS), echo=False)
 
 
-def main(argv=None) -> int:
-    """``python -m benchmarks.report results/bench_<mode>.json``: rebuild the summary, markdown and plot from
-    the raw samples a run saved (e.g. after changing the report)."""
-    import argparse
-
-    from benchmarks import configs
-    p = argparse.ArgumentParser(prog="python -m benchmarks.report")
-    p.add_argument("json")
-    p.add_argument("--out", help="folder (default: the JSON's)")
-    a = p.parse_args(argv)
-    with open(a.json) as f:
+def rebuild(path: str, out_dir: str | None = None) -> list[str]:
+    """Rebuild the summary, markdown and plot of a ``bench_<mode>.json`` from the raw samples it saved (e.g. after
+    changing the report), into ``out_dir`` (default: the JSON's folder); the paths written."""
+    with open(path) as f:
         old = json.load(f)
     raw = {"segments": old["raw"]["segments"], "failures": old["raw"]["failures"], "errors": old["errors"],
            "wall_s": old["wall_s"]}
     result = build(raw, old["settings"], configs.CONFIGS)
     result["date"], result["machine"] = old["date"], old["machine"]
-    for path in write_all(result, a.out or os.path.dirname(os.path.abspath(a.json)), old["settings"]["mode"]):
-        print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return write_all(result, out_dir or os.path.dirname(os.path.abspath(path)), old["settings"]["mode"])
