@@ -85,7 +85,7 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
 
     import ray_ckpt
     from benchmarks.worker import dir_bytes
-    from ray_ckpt.engine.sharded import local
+    from ray_ckpt.engine.dtensor import local
     torch.set_num_threads(cell["threads"])
     dist.init_process_group("gloo", init_method=f"file://{cell['dir']}/pg_store", rank=rank,
                             world_size=cell["world"])

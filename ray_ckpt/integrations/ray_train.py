@@ -321,7 +321,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     (its coordinator on the head node, its node worker, its replica); ``"local"`` — each rank writes its shard
     lineage from a thread of its process, no actors per rank (cheaper with many ranks; restores from storage).
     """
-    from ray_ckpt.engine.capture import as_stateful
+    from ray_ckpt.engine.loopstate import as_stateful
     if sharded_runtime not in ("ray", "local"):   # refused before any actor or file is created
         raise ValueError(f"sharded_runtime must be 'ray' or 'local', got {sharded_runtime!r}")
     extra_state = as_stateful(extra_state)
@@ -398,6 +398,7 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
     storage only, no Ray needed)."""
     import torch.distributed as dist
     from ray_ckpt.engine import rankloop
+    from ray_ckpt.engine.loopstate import derive_rng
     from ray_ckpt.runtime.client import resolve_step
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not group:
@@ -467,7 +468,7 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
             rankloop.apply_rank_loop(rankloop.load_rank_loop(storage, rank, generation, restored),
                                      extra_state=extra_state)
         elif rank > 0:
-            seed = rankloop.derive_rng(rank)
+            seed = derive_rng(rank)
             hook = getattr(extra_state, "reset_for_new_rank", None)
             if callable(hook):
                 hook()

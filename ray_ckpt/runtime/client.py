@@ -10,7 +10,8 @@ import logging
 import ray
 import torch
 
-from ray_ckpt.engine.restore import LoadedChain, load_chain, load_lineage, read_object
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.restore import LoadedChain, load_chain, read_object
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.lineage import Manifest, NoCheckpointError, Plan
