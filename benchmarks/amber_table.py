@@ -44,7 +44,7 @@ from benchmarks import report
 from examples.gpt import GPT, ByteBatches, GPTConfig, stdlib_corpus, warmup_cosine
 from ray_ckpt.config import Amber
 from ray_ckpt.engine.amber import AmberEncoder
-from ray_ckpt.engine.restore import load_lineage
+from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.format.delta import AmberRecord, apply_delta, decode_records, encode_records
 from ray_ckpt.storage import open_storage
 

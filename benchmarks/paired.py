@@ -114,7 +114,7 @@ def _replica_counters(st: dict) -> dict:
 def _drop_exact_records(uri: str) -> None:
     """Delete the main lineage's step records (and its index) from a local checkpoint directory: what storage holds
     when a LowDiff+ run's memory tier is lost before its records were written (benchmark of the Amber tier)."""
-    from ray_ckpt.engine.restore import load_lineage
+    from ray_ckpt.engine.lineage_io import load_lineage
     from ray_ckpt.lineage import index as lineage_index
     from ray_ckpt.storage import open_storage
     storage = open_storage(uri)

@@ -16,9 +16,10 @@ import torch
 
 from ray_ckpt.config import Amber, CheckpointConfig, LowDiff, Runtime
 from ray_ckpt.engine.attachment import Attachment
-from ray_ckpt.engine.capture import ATTACHED_ATTR, RESTORED_STEP_ATTR
 from ray_ckpt.engine.lease import Lease
-from ray_ckpt.engine.restore import apply_chain, check_not_attached, load_lineage, resolve_and_load
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.loopstate import ATTACHED_ATTR, RESTORED_STEP_ATTR, check_not_attached
+from ray_ckpt.engine.restore import apply_chain, resolve_and_load
 from ray_ckpt.engine.strategy import impl_for
 from ray_ckpt.engine.targets import check_params, unwrap
 from ray_ckpt.engine.writer import AsyncWriter

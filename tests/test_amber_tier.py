@@ -17,7 +17,8 @@ import ray_ckpt
 from ray_ckpt.cli.main import main as cli_main
 from ray_ckpt.engine import amber_tier
 from ray_ckpt.engine import gc as _gc
-from ray_ckpt.engine.restore import load_lineage, read_object
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.restore import read_object
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format.delta import encode_records
 from ray_ckpt.lineage import index as lineage_index

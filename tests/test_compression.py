@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ray_ckpt.compression import Int8State, TopKState, int8_hook, select_topk, topk_count, topk_hook
-from ray_ckpt.engine import support
+from ray_ckpt.engine import grad_support as support
 
 RATIO = 0.01
 STEPS = 3

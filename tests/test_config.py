@@ -10,7 +10,7 @@ import ray_ckpt
 from ray_ckpt import CheckpointConfig
 from ray_ckpt.config import Runtime
 from ray_ckpt.engine.attachment import Attachment
-from ray_ckpt.engine.capture import ATTACHED_ATTR
+from ray_ckpt.engine.loopstate import ATTACHED_ATTR
 from ray_ckpt.engine.lease import LEASE_KEY
 from ray_ckpt.policy.adaptive import read_report
 from tests import _training as T

@@ -372,7 +372,7 @@ def test_load_export_runs_no_code_from_a_tampered_torch_export(tmp_path, monkeyp
 
     import torch as _torch
 
-    from ray_ckpt.engine.export import INFO_FILE
+    from ray_ckpt.lineage.layout import INFO_FILE
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "evil"
     out.mkdir()

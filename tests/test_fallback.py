@@ -8,7 +8,7 @@ import pytest
 import ray
 
 import ray_ckpt
-from ray_ckpt.engine.restore import load_lineage
+from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.storage import ObjectNotFound, open_storage
 from tests import _training as T
 

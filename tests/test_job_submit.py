@@ -104,7 +104,7 @@ def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
         st = _ray(env, "job", "status", f"--address={address}", i, timeout=120)
         assert "succeeded" in st.stdout.lower(), (name, st.stdout[-2000:], logs[name][-4000:])
     assert "[ray_ckpt] starting at step 0" in logs["job-test"], logs["job-test"][-4000:]
-    from ray_ckpt.engine.restore import load_lineage
+    from ray_ckpt.engine.lineage_io import load_lineage
     from ray_ckpt.storage import open_storage
     lineage, _ = load_lineage(open_storage(str(jobs["job-test"][0])))
     assert lineage.head() == 8

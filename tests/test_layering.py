@@ -17,7 +17,7 @@ ALLOWED = {
     "format": {"format"},
     "storage": {"storage"},
     "lineage": {"lineage"},
-    "policy": {"policy"},
+    "policy": {"policy", "lineage"},   # the policy report's key (lineage/layout.py)
     "engine": {"engine", "format", "storage", "lineage", "policy", "config"},
     "runtime": {"runtime", "engine", "format", "storage", "lineage", "policy", "config", "ray"},
     "integrations": {"integrations", "api", "runtime", "engine", "format", "storage", "lineage", "policy", "config",

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import ray_ckpt
-from ray_ckpt.engine.restore import load_lineage, plan_restore, resolve_and_load
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.restore import plan_restore, resolve_and_load
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.lineage import index as lineage_index
 
@@ -152,7 +153,7 @@ def test_an_object_committed_behind_the_index_is_never_hidden(tmp_path):
     index written at a later full may already be past them. The coordinator's index stops its watermarks below
     objects it knows may still be committed, and a late writer deletes an index that hides its object
     (the state-tier test with a killed worker lost steps 9-12 to storage-only restores before: CI flake)."""
-    from ray_ckpt.engine.restore import unhide
+    from ray_ckpt.engine.lineage_io import unhide
     from ray_ckpt.storage import open_storage
 
     storage = open_storage(str(tmp_path / "s"))

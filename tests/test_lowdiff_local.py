@@ -285,7 +285,7 @@ def test_replay_reuses_gradient_tensors_only_where_exact(opt_cls):
     """advance() writes each step's gradients into the previous step's tensors for torch's own optimizers (no
     fresh multi-MB block per step), and hands every step fresh tensors to one that might keep them; both replays
     end bitwise where a replay with a fresh tensor per gradient does."""
-    from ray_ckpt.engine.strategy import LowDiffImpl
+    from ray_ckpt.engine.lowdiff import LowDiffImpl
     shapes, recs = _replay_records(6)
 
     def fresh_params():

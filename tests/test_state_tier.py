@@ -16,7 +16,7 @@ import torch
 
 import ray_ckpt
 from ray_ckpt.cli.main import main as cli_main
-from ray_ckpt.engine.restore import load_lineage
+from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.client import load_via_coordinator
 from ray_ckpt.runtime.coordinator import shutdown_run

@@ -31,7 +31,8 @@ import time
 from ray_ckpt.engine import amber_tier
 from ray_ckpt.engine import export as _export
 from ray_ckpt.engine import gc as _gc
-from ray_ckpt.engine.restore import load_lineage, read_object
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.restore import read_object
 from ray_ckpt.engine.strategy import impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
@@ -326,7 +327,8 @@ def cmd_gc(storage, args) -> int:
 
 
 def cmd_lease(storage, args) -> int:
-    from ray_ckpt.engine.lease import LEASE_KEY, describe, read_lease
+    from ray_ckpt.engine.lease import describe, read_lease
+    from ray_ckpt.lineage.layout import LEASE_KEY
     rec = read_lease(storage)
     if args.json:
         print(json.dumps({"lease": rec}, indent=2))

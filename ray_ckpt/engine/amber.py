@@ -40,7 +40,6 @@ import torch
 
 from ray_ckpt.config import Amber
 from ray_ckpt.engine.capture import CaptureBase
-from ray_ckpt.engine.strategy import register
 from ray_ckpt.format.delta import (AmberRecord, apply_delta, count, decode_records, drift_ratios, encode_new,
                                    encode_records, encode_selected, encode_xor, encoded_size, significant,
                                    xor_bits)
@@ -574,6 +573,3 @@ class AmberImpl:
                 state.setdefault(int(i), {}).update(vals)
             prev = rec.step
         optimizer.load_state_dict(sd)
-
-
-register("amber", Amber, AmberImpl)

@@ -27,17 +27,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.format import segments
 from ray_ckpt.format.delta import encode_records
 from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, Plan, collectable, diff_name, object_key
-from ray_ckpt.lineage.layout import MANIFESTS_DIR, parse_name
+from ray_ckpt.lineage.layout import MANIFESTS_DIR, TIER_DIR, parse_name
 from ray_ckpt.lineage import index as lineage_index
 from ray_ckpt.storage import ObjectNotFound
 from ray_ckpt.storage.prefixed import PrefixedStorage
 
 log = logging.getLogger("ray_ckpt")
 
-TIER_DIR = "tiers/amber/"
 TIER = "amber"
 
 
@@ -71,7 +71,6 @@ def write_increments(storage, generation: int, records: list, config) -> Manifes
 def tier_manifests(storage) -> list[Manifest]:
     """Every committed manifest of the tier (malformed ones are logged and skipped). One listing; the tier keeps no
     index (GC bounds it: increments of collected fulls go with them)."""
-    from ray_ckpt.engine.restore import load_lineage   # restore imports this module
     lin, bad = load_lineage(tier_storage(storage), strict=False, use_index=False)
     for key in bad:
         log.warning("ray_ckpt: ignoring malformed manifest %s of the Amber tier", key)

@@ -1,8 +1,9 @@
 """Capture on the training thread: what a strategy needs from each optimizer step, at the cost of a copy.
 
-:class:`CaptureBase` holds what every strategy shares (hooks, loop state, finalization, full snapshots);
-:class:`LowDiffCapture` takes the consumed gradients (below); Amber's capture lives in
-:mod:`ray_ckpt.engine.amber`.
+:class:`CaptureBase` holds what every strategy shares (hooks, loop state, finalization, full snapshots) and
+:class:`HostPool` the host buffers it copies into; the strategies' captures build on it: LowDiff's (the consumed
+gradients, below) in :mod:`ray_ckpt.engine.lowdiff`, Amber's in :mod:`ray_ckpt.engine.amber`. The loop state
+it reads comes from :mod:`ray_ckpt.engine.loopstate`.
 
 Call order (all on the training thread, inside the user's loop; nothing to call per step)::
 
@@ -27,103 +28,19 @@ record of that step is finalized. Encoding, sparsifying, checksumming and writin
 """
 from __future__ import annotations
 
-import array
 import collections
-import random
 import threading
 import time
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 
-from ray_ckpt.engine import support
-from ray_ckpt.format.records import FullState, GradEntry, StepRecord
+from ray_ckpt.engine.dtensor import local
+from ray_ckpt.engine.loopstate import ATTACHED_ATTR, as_stateful, group_values, rng_state, set_rng_state
+from ray_ckpt.engine.optim_layout import FINGERPRINT_KEY, ShadowError, fingerprint, optimizer_layout
+from ray_ckpt.format.records import FullState, StepRecord
 from ray_ckpt.policy import FrequencyPolicy, StepContext, StepDecision
-
-FINGERPRINT_KEY = "fingerprint"
-_FP_PER_TENSOR = 16
-
-
-class ShadowError(RuntimeError):
-    """The shadow cannot follow this training state (unknown optimizer, missing layout, diverged replay)."""
-
-
-def optimizer_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """What :class:`ShadowState` needs to rebuild ``optimizer`` without user code (training process, at attach)."""
-    names_of: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
-    param_names = []
-    device = "cpu"
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            names = names_of.get(id(p))
-            if not names:
-                raise ShadowError("an optimizer parameter is not a parameter of the model")
-            param_names.append(names)
-            device = p.device.type
-    cls = type(optimizer)
-    return {"optimizer_class": f"{cls.__module__}:{cls.__qualname__}", "param_names": param_names,
-            "device": device}
-
-
-class StatefulGroup:
-    """Several stateful objects given as ``extra_state={"loader": loader, "epoch": counter, ...}`` (each with
-    ``state_dict``/``load_state_dict``, e.g. torchdata's ``StatefulDataLoader``), checkpointed as one."""
-
-    def __init__(self, members: dict):
-        for k, v in members.items():
-            if not (callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))):
-                raise TypeError(f"extra_state[{k!r}] must have state_dict() and load_state_dict() methods, "
-                                f"got {type(v).__name__}")
-        self.members = dict(members)
-
-    def state_dict(self) -> dict:
-        return {k: v.state_dict() for k, v in self.members.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        missing = sorted(set(self.members) - set(state))
-        if missing:
-            raise ValueError(f"the checkpoint's extra state has no entry for {missing} (it holds {sorted(state)})")
-        for k, v in self.members.items():
-            v.load_state_dict(state[k])
-
-    def reset_for_new_rank(self) -> None:
-        """Forwarded to the members that define it (see :func:`ray_ckpt.train.agreed_restore`)."""
-        for v in self.members.values():
-            hook = getattr(v, "reset_for_new_rank", None)
-            if callable(hook):
-                hook()
-
-
-def as_stateful(extra_state: Any) -> Any:
-    """``extra_state`` as one object with ``state_dict``/``load_state_dict``: a dict of stateful objects becomes
-    a :class:`StatefulGroup`; anything else is returned as is."""
-    if isinstance(extra_state, dict):
-        return StatefulGroup(extra_state)
-    return extra_state
-
-
-def fingerprint(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """A small bitwise sample of parameter values (up to 16 evenly spaced elements per tensor) as uint8, on the
-    parameters' device. Equal fingerprints are necessary for equal states; the sample is the same on every
-    process for the same shapes."""
-    parts = []
-    for p in params:
-        flat = _local(p.detach()).reshape(-1)   # FSDP2: this rank's shard (what its replica holds)
-        n = flat.numel()
-        if n == 0:
-            continue
-        step = max(1, n // _FP_PER_TENSOR)
-        parts.append(flat[::step][:_FP_PER_TENSOR].contiguous().view(torch.uint8))
-    if not parts:
-        return torch.zeros(0, dtype=torch.uint8)
-    return torch.cat(parts)
-
-
-ATTACHED_ATTR = "_ray_ckpt_capture"
-RESTORED_STEP_ATTR = "_ray_ckpt_restored_step"
 
 
 class Sink(Protocol):
@@ -198,7 +115,7 @@ class _HostCopier:
     def pooled(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of the CPU tensor ``t`` in a pooled buffer (remembered for :meth:`take_pooled`); other
         devices go through :meth:`__call__` (the pinned-memory allocator of CUDA caches its blocks itself)."""
-        t = _local(t.detach())
+        t = local(t.detach())
         if t.device.type != "cpu":
             return self(t)
         out = self.pool.take(t.shape, t.dtype)
@@ -216,7 +133,7 @@ class _HostCopier:
         taken: list = []
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            t = _local(t.detach())
+            t = local(t.detach())
             if t.device.type != "cpu":
                 return self(t)
             out = self.full_pool.take(t.shape, t.dtype)
@@ -241,7 +158,7 @@ class _HostCopier:
         """A host copy of ``t``; ``fresh=True`` says ``t`` is a new tensor nobody else holds (e.g. the result of
         an ``index_select``): a CPU one is then taken as is, without a second copy. A DTensor (FSDP2) is copied
         as its local shard."""
-        t = _local(t.detach())
+        t = local(t.detach())
         if t.device.type == "cpu":
             if fresh and t.is_contiguous():
                 return t
@@ -273,81 +190,6 @@ class _HostCopier:
         ev = torch.cuda.Event()
         ev.record()
         return ev
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), any other tensor as is (see :mod:`ray_ckpt.engine.sharded`)."""
-    if type(t) is torch.Tensor:
-        return t
-    from ray_ckpt.engine.sharded import local
-    return local(t)
-
-
-#: the Python RNG words of the last :func:`rng_state` call and their uint32 array. Most loops never draw from
-#: ``random``: comparing the 625 words (~9 µs) is then cheaper than converting them again (~12 µs idle, 35-40 µs
-#: measured inside a training step). The array is shared by the records that hold it; nothing writes into it.
-_py_words: tuple[tuple, Any] = ((), None)
-_U32 = "I" if array.array("I").itemsize == 4 else "L"
-
-
-def _python_words(words: tuple) -> np.ndarray:
-    global _py_words
-    last, arr = _py_words
-    if words != last:
-        # the Mersenne Twister words as uint32 (2.5 KB binary instead of ~7 KB of JSON integers per step)
-        arr = np.frombuffer(array.array(_U32, words), dtype=np.uint32)
-        _py_words = (words, arr)
-    return arr
-
-
-def rng_state() -> dict:
-    """All RNG states a training loop typically draws from (training thread)."""
-    version, words, gauss = random.getstate()
-    st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": (version, _python_words(words), gauss),
-                          "numpy": np.random.get_state()}
-    if torch.cuda.is_initialized():   # (False without CUDA; is_available() costs a driver query)
-        # the generator of the device this process trains on, not of every visible GPU: another rank (or the
-        # same rank after a restart) may see a different number of devices
-        st["cuda"] = {"state": torch.cuda.get_rng_state(torch.cuda.current_device())}
-    return st
-
-
-def set_rng_state(st: dict) -> None:
-    """Install RNG states taken by :func:`rng_state` (training thread). The CUDA state goes to this process's
-    current device; a checkpoint without one leaves the CUDA generators alone."""
-    torch.set_rng_state(st["torch"])
-    random.setstate(_as_python_random_state(st["python"]))
-    np.random.set_state(st["numpy"])
-    cuda = st.get("cuda")
-    if cuda is not None and torch.cuda.is_available():
-        if isinstance(cuda, dict):
-            torch.cuda.set_rng_state(cuda["state"], torch.cuda.current_device())
-        else:  # written by an earlier version: one state per device visible to the capturing process
-            for i, s in enumerate(list(cuda)[:torch.cuda.device_count()]):
-                torch.cuda.set_rng_state(s, i)
-
-
-def _as_python_random_state(s: Any) -> tuple:
-    # random.getstate() = (version, tuple_of_625_ints, gauss_next); the words are stored as a uint32 array
-    return (s[0], tuple(int(w) for w in s[1]), s[2])
-
-
-def group_values(optimizer: torch.optim.Optimizer, copy: Callable[[Any], Any]) -> list[dict]:
-    return [{k: copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-
-
-def apply_group_values(optimizer: torch.optim.Optimizer, values: list[dict]) -> None:
-    """Set param-group hyper-parameters, copying into existing tensors so their device is kept."""
-    if len(values) != len(optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(values)} param groups, the optimizer has "
-                         f"{len(optimizer.param_groups)}")
-    for g, vals in zip(optimizer.param_groups, values):
-        for k, v in vals.items():
-            cur = g.get(k)
-            if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
-                cur.copy_(v)
-            else:
-                g[k] = v
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -576,45 +418,6 @@ class CaptureBase:
         self._scaler_update = None
         if getattr(self.optimizer, ATTACHED_ATTR, None) is self:
             delattr(self.optimizer, ATTACHED_ATTR)
-
-
-class LowDiffCapture(CaptureBase):
-    """Attaches LowDiff capture to an optimizer (and scheduler). Runs on the training thread."""
-
-    def __init__(self, *args, **kwargs):
-        self._consumed: tuple[list, list] | None = None   # grads + hparams taken in the pre-hook
-        super().__init__(*args, **kwargs)
-
-    def _before_step(self, optimizer) -> None:
-        grads: list[GradEntry | None] = []
-        for p in self.params:
-            g = p.grad
-            if g is None:
-                grads.append(None)
-                continue
-            if g.is_sparse:
-                raise NotImplementedError("sparse gradients (e.g. nn.Embedding(sparse=True)) are not supported")
-            idx = support.take(p)
-            if idx is not None:
-                # O(k): the values the hook kept; the published indices are handed over (int32 in the writer)
-                vals = g.reshape(-1).index_select(0, idx)
-                # both are fresh tensors nobody else holds: on the host, kept as they are (no copier call)
-                if type(vals) is not torch.Tensor or vals.device.type != "cpu" or not idx.is_contiguous():
-                    vals, idx = self._copy(vals, fresh=True), self._copy(idx, fresh=True)
-                grads.append(GradEntry(tuple(p.shape), vals, idx))
-            else:
-                g = _local(g)      # FSDP2: the gradient shard this rank's optimizer step consumes
-                grads.append(GradEntry(tuple(g.shape), self._copy.pooled(g)))
-        self._consumed = (grads, group_values(optimizer, self._copy.tree))
-
-    def _make_record(self, step: int, loop: dict, buffers: dict) -> StepRecord:
-        if self._consumed is None:  # step() called without our pre-hook (should not happen)
-            raise RuntimeError("ray_ckpt: optimizer post-step hook ran without its pre-step hook")
-        grads, hparams = self._consumed
-        self._consumed = None
-        rec = StepRecord(step=step, grads=grads, hparams=hparams, loop=loop, buffers=buffers)
-        rec.pooled = self._copy.take_pooled()
-        return rec
 
 
 def _persistent_buffers(model: torch.nn.Module):

@@ -36,13 +36,15 @@ from typing import Any, Callable
 
 import torch
 
-from ray_ckpt.engine.restore import apply_loop, replay, resolve_and_load
-from ray_ckpt.engine.shadow import ShadowError, rebuild
+from ray_ckpt.engine.loopstate import apply_loop
+from ray_ckpt.engine.optim_layout import ShadowError
+from ray_ckpt.engine.restore import replay, resolve_and_load
+from ray_ckpt.engine.shadow import rebuild
+from ray_ckpt.lineage.layout import INFO_FILE
 
 log = logging.getLogger("ray_ckpt")
 
 FORMATS = ("safetensors", "dcp", "torch")
-INFO_FILE = "ray_ckpt_export.json"
 _REPLAY_CHUNK = 16
 
 #: ``progress(phase, done, total)``: phase is "read" (objects) or "replay" (steps)

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ray_ckpt.engine import amber_tier
-from ray_ckpt.engine.rankloop import MAIN_GENERATION, RANKS_DIR, rank_storage
-from ray_ckpt.engine.restore import load_lineage
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.rankloop import MAIN_GENERATION, rank_storage
 from ray_ckpt.lineage import Manifest, collectable, gc_cutoff
-from ray_ckpt.lineage.layout import OBJECTS_DIR, OBJECT_SUFFIX, parse_name
+from ray_ckpt.lineage.layout import INDEX_KEY, OBJECTS_DIR, OBJECT_SUFFIX, RANKS_DIR, parse_name
 from ray_ckpt.lineage import index as lineage_index
 from ray_ckpt.storage import ObjectNotFound
 
@@ -144,7 +144,7 @@ def collect_ranks(storage, lineage, cutoff) -> int:
 
 def _reindex(storage, lineage, deleted: list[Manifest]) -> None:
     """Rewrite an existing lineage index without the deleted manifests."""
-    if not storage.exists(lineage_index.INDEX_KEY):
+    if not storage.exists(INDEX_KEY):
         return
     gone = {m.name for m in deleted}
     lineage_index.write_index(storage, [m for m in lineage.manifests if m.name not in gone])

@@ -23,11 +23,11 @@ import socket
 import time
 import uuid
 
+from ray_ckpt.lineage.layout import LEASE_KEY
 from ray_ckpt.storage import ObjectNotFound
 
 log = logging.getLogger("ray_ckpt")
 
-LEASE_KEY = "lease.json"
 DEFAULT_TTL = 60.0
 
 

@@ -9,6 +9,7 @@ import logging
 
 from ray_ckpt.lineage import MANIFESTS_DIR, Lineage, Manifest, ManifestError
 from ray_ckpt.lineage import index as lineage_index
+from ray_ckpt.lineage.layout import INDEX_KEY
 from ray_ckpt.storage import ObjectNotFound, StorageError
 
 log = logging.getLogger("ray_ckpt")
@@ -53,7 +54,7 @@ def _dedupe(manifests: list) -> list:
 
 def _load_indexed(storage, strict: bool) -> tuple[Lineage, list[str]] | None:
     try:
-        data = storage.read(lineage_index.INDEX_KEY)
+        data = storage.read(INDEX_KEY)
     except ObjectNotFound:
         return None
     except StorageError as e:
@@ -76,7 +77,7 @@ def unhide(storage, m: Manifest) -> bool:
     readers (:func:`ray_ckpt.lineage.index.hides`); they list every manifest until the next index. Returns
     whether it deleted it. Any process that commits (the persistence workers, the replica)."""
     try:
-        index = lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY))
+        index = lineage_index.decode_index(storage.read(INDEX_KEY))
     except (ObjectNotFound, lineage_index.IndexError_):
         return False      # readers list every manifest already
     except StorageError as e:
@@ -84,7 +85,7 @@ def unhide(storage, m: Manifest) -> bool:
         index = None
     if index is not None and not lineage_index.hides(index, m):
         return False
-    storage.delete(lineage_index.INDEX_KEY)
+    storage.delete(INDEX_KEY)
     log.info("ray_ckpt: %s was committed behind the lineage index; index deleted (readers list until the next)",
              m.name)
     return True

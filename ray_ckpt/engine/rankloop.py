@@ -3,8 +3,9 @@
 Model and optimizer state are replicated across data-parallel ranks, so world rank 0's lineage holds them once.
 What is *not* replicated is each rank's loop state: its RNG streams (dropout masks, the shuffling sampler) and its
 ``extra_state`` (its data position). Every rank other than 0 records its own, with the same capture machinery
-(:class:`LoopCapture`: a record per optimizer step, taken in the post-step hook, a copy of a few KB) into its own
-small lineage below ``<root>/ranks/<rank>/``, written by a writer thread of that rank (:class:`RankLoopRecorder`).
+(:class:`ray_ckpt.engine.lowdiff.LoopCapture`: a record per optimizer step, taken in the post-step hook, a copy
+of a few KB) into its own small lineage below ``<root>/ranks/<rank>/``, written by a writer thread of that rank
+(:class:`RankLoopRecorder`).
 
 Each rank lineage generation is tagged with the *main* generation (rank 0's attach) it belongs to, so a restore
 only uses loop state recorded alongside the main chain it restores. The rules at a restore (see
@@ -13,35 +14,30 @@ only uses loop state recorded alongside the main chain it restores. The rules at
 * the step restored on every rank is at most the last step every rank of that generation has recorded;
 * a rank with a record of that step gets its own RNG and extra state back, bitwise;
 * a rank that has none (it was not part of the saved world: the group grew) keeps rank 0's extra state and
-  derives its RNG streams deterministically from rank 0's restored state and its rank (:func:`derive_rng`).
+  derives its RNG streams deterministically from rank 0's restored state and its rank
+  (:func:`ray_ckpt.engine.loopstate.derive_rng`).
 
 Where calls run: :class:`RankLoopRecorder` and :func:`apply_rank_loop` in the rank's training process (the
 writer in its thread); :func:`rank_loop_head` and :func:`load_rank_loop` in any process.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import random
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 from ray_ckpt.engine.attachment import Attachment
-from ray_ckpt.engine.capture import CaptureBase
-from ray_ckpt.engine.restore import apply_loop, load_chain, load_lineage
-from ray_ckpt.engine.strategy import LowDiffImpl, register
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.loopstate import apply_loop
+from ray_ckpt.engine.lowdiff import LoopCapture, LoopImpl, LoopOnly
+from ray_ckpt.engine.restore import load_chain
 from ray_ckpt.engine.writer import AsyncWriter
-from ray_ckpt.format.records import FullState, StepRecord
 from ray_ckpt.lineage import Lineage, NoCheckpointError
+from ray_ckpt.lineage.layout import RANKS_DIR
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.storage.prefixed import PrefixedStorage
 
 log = logging.getLogger("ray_ckpt")
 
-RANKS_DIR = "ranks/"
 MAIN_GENERATION = "main_generation"
 
 
@@ -50,51 +46,6 @@ def rank_storage(storage, rank: int) -> PrefixedStorage:
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank loop state is kept for ranks >= 1 (rank 0's is in the main lineage), got {rank!r}")
     return PrefixedStorage(storage, f"{RANKS_DIR}{rank}/")
-
-
-@dataclass(frozen=True)
-class _LoopOnly:
-    """The strategy of a rank loop-state lineage (records hold loop state only; no gradients)."""
-
-    max_sparse_density: float = 0.0
-    capture_buffers: bool = False
-
-
-class LoopCapture(CaptureBase):
-    """Captures only the loop state (RNG, extra state) of each optimizer step. Training thread of a rank > 0.
-
-    Records are finalized in the post-step hook (no scheduler or scaler tail: those are replicated and come from
-    rank 0's lineage); fulls hold the loop state alone (no model, no optimizer state)."""
-
-    def __init__(self, model, optimizer, sink, policy, *, start_step: int, extra_state: Any = None,
-                 capture_rng: bool = True):
-        super().__init__(model, optimizer, sink, policy, start_step=start_step, extra_state=extra_state,
-                         capture_rng=capture_rng, capture_buffers=False)
-
-    def _make_record(self, step: int, loop: dict, buffers: dict) -> StepRecord:
-        return StepRecord(step=step, grads=[], hparams=[], loop=loop)
-
-    def _loop_tail(self) -> dict:
-        return {}
-
-    def _snapshot(self, step: int, loop: dict, rec: Any = None) -> FullState:
-        self.full_snapshots += 1
-        return FullState(step=step, model={}, optimizer={}, loop=loop)
-
-
-class LoopImpl(LowDiffImpl):
-    """Decodes rank loop-state objects (LowDiff's record format with no gradients); nothing to replay."""
-
-    name = "loop"
-
-    def make_capture(self, model, optimizer, sink, policy, **kwargs):
-        return LoopCapture(model, optimizer, sink, policy, **kwargs)
-
-    def advance(self, records, model, optimizer, full_step: int) -> None:
-        return None   # loop state is absolute: the record of the target step is the state
-
-
-register("loop", _LoopOnly, LoopImpl)
 
 
 class RankLoopRecorder:
@@ -115,7 +66,7 @@ class RankLoopRecorder:
         lineage, _ = load_lineage(self.storage, strict=False)
         self.generation = lineage.next_generation()
         self.main_generation = main_generation
-        impl = LoopImpl(_LoopOnly())
+        impl = LoopImpl(LoopOnly())
         self._att = Attachment()
         with self._att.releasing_on_error():
             sink = self._att.hold_sink(AsyncWriter(
@@ -170,15 +121,3 @@ def apply_rank_loop(loop: dict, *, extra_state: Any = None, restore_rng: bool = 
     """Install a rank's own loop state (after the replicated state was restored). Training process. A rank's
     loop state holds no param groups, scheduler or scaler, so :func:`apply_loop` sets extra state and RNG only."""
     apply_loop(loop, None, extra_state=extra_state, restore_rng=restore_rng)
-
-
-def derive_rng(rank: int) -> int:
-    """Seed this process's RNG streams (torch CPU and current CUDA device, Python, NumPy) from the current torch
-    CPU RNG state (rank 0's, just restored) and ``rank``: a rank that has no saved loop state of its own gets
-    streams that differ from every other rank's and are the same at every restore. Returns the seed."""
-    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + int(rank).to_bytes(8, "little")).digest()
-    seed = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-    torch.manual_seed(seed)   # also seeds every CUDA device
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    return seed

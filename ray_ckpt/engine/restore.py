@@ -12,14 +12,14 @@ from typing import Any, Callable
 
 import torch
 
-from ray_ckpt.engine.capture import (ATTACHED_ATTR, RESTORED_STEP_ATTR, apply_group_values, as_stateful,
-                                     set_rng_state)
+from ray_ckpt.engine import amber_tier
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.loopstate import RESTORED_STEP_ATTR, apply_loop, check_not_attached
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format import checksum
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.format.records import FullState
-from ray_ckpt.engine.lineage_io import load_lineage, unhide  # noqa: F401 - re-exported (callers import them here)
 from ray_ckpt.lineage import Lineage, Manifest, ManifestError, NoCheckpointError, Plan
 from ray_ckpt.storage import ObjectNotFound
 
@@ -155,7 +155,6 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
 def _load_from_amber_tier(storage, lineage: Lineage, step: int | None, fallback: bool, reader) -> LoadedChain | None:
     """``step`` from the Amber tier of a LowDiff+ run (:mod:`ray_ckpt.engine.amber_tier`) when the exact lineage
     does not reach it (or, for the latest step, reaches only an older one); None otherwise."""
-    from ray_ckpt.engine import amber_tier
     plan = amber_tier.plan(storage, lineage, step)
     if plan is None:
         return None
@@ -222,34 +221,6 @@ def replay(strategy: str, records: list, model, optimizer, from_step: int, loop:
     if records[-1].buffers:
         _load_buffers(model, records[-1].buffers)
     return records[-1].loop
-
-
-def apply_loop(loop: dict, optimizer, *, scheduler: Any = None, scaler: Any = None, extra_state: Any = None,
-               restore_rng: bool = True) -> None:
-    """Param-group values, scheduler, scaler, extra state and RNG of a restored step (training process)."""
-    if "groups" in loop:
-        apply_group_values(optimizer, loop["groups"])
-    if scheduler is not None:
-        if "scheduler" not in loop:
-            raise ValueError("the checkpoint has no scheduler state (it was taken without a scheduler)")
-        scheduler.load_state_dict(loop["scheduler"])
-    if scaler is not None:
-        if "scaler" not in loop:
-            raise ValueError("the checkpoint has no GradScaler state (it was taken without one)")
-        scaler.load_state_dict(loop["scaler"])
-    extra_state = as_stateful(extra_state)
-    if extra_state is not None:
-        if "extra" not in loop:
-            raise ValueError("the checkpoint has no extra state (it was taken without extra_state)")
-        extra_state.load_state_dict(loop["extra"])
-    if restore_rng and "rng" in loop:
-        set_rng_state(loop["rng"])
-
-
-def check_not_attached(optimizer: torch.optim.Optimizer) -> None:
-    if getattr(optimizer, ATTACHED_ATTR, None) is not None:
-        raise RuntimeError("restore into an optimizer that has a Checkpointer attached would checkpoint the "
-                           "replayed steps again: restore first, then attach")
 
 
 def _load_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:

@@ -1,9 +1,10 @@
 """The shadow state: a CPU replica of model + optimizer state, advanced record by record with restore's replay.
 
-LowDiff+ (see SEEDS.md): instead of holding step records and replaying them at recovery, the persistence tier
-keeps the training state itself and applies each record as it arrives, with **the same** code that a restore
-runs (:func:`ray_ckpt.engine.restore.load_full` and :func:`~ray_ckpt.engine.restore.replay`). Recovery of the
-latest step then needs the shadow's state plus the few records it has not applied yet, and full checkpoints are
+LowDiff+ (the LowDiff variant whose persistence tier holds a CPU replica of the training state): instead of
+holding step records and replaying them at recovery, the persistence tier keeps the training state itself and
+applies each record as it arrives, with **the same** code that a restore runs
+(:func:`ray_ckpt.engine.restore.load_full` and :func:`~ray_ckpt.engine.restore.replay`). Recovery of the latest
+step then needs the shadow's state plus the few records it has not applied yet, and full checkpoints are
 encoded from the shadow instead of being snapshotted in the training process.
 
 The shadow needs no model code: a full checkpoint taken at attach records the optimizer class and, for every
@@ -20,13 +21,13 @@ Runs wherever it is built (the state tier's replica actor; tests). No Ray.
 from __future__ import annotations
 
 import importlib
-from typing import Iterable
 
 import torch
 
-from ray_ckpt.engine.capture import FINGERPRINT_KEY, ShadowError, fingerprint, optimizer_layout  # noqa: F401
+from ray_ckpt.engine.optim_layout import FINGERPRINT_KEY, ShadowError, fingerprint
 from ray_ckpt.engine.restore import load_full, replay
 from ray_ckpt.format.records import FullState
+
 
 class _TensorModule:
     """The part of ``nn.Module`` that :func:`load_full` and :func:`replay` use, over a dict of tensors."""

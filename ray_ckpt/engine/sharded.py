@@ -28,7 +28,7 @@ own saved rank, or rank 0, for the loop state), concatenates them and cuts its c
 ``torch.chunk`` placement; a 2 -> 3 reshard reads 1 or 2 of the 2 saved shards per rank). The result is loaded
 into the live DTensors' local shards and the optimizer. Loop state (param groups, scheduler, RNG, extra state) is
 the rank's own when the saved world had that rank, else rank 0's with RNG streams derived from it and the rank
-(:func:`ray_ckpt.engine.rankloop.derive_rng`).
+(:func:`ray_ckpt.engine.loopstate.derive_rng`).
 
 Supported: 1-D meshes, ``Shard(d)`` placements, optimizers whose state tensors have their parameter's shape or
 are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"`` every shard lineage is a run of its own
@@ -45,33 +45,21 @@ from typing import Any
 
 import torch
 
-from ray_ckpt.engine.capture import RESTORED_STEP_ATTR, ShadowError
-from ray_ckpt.engine.restore import apply_loop, check_not_attached, load_lineage, replay, resolve_and_load
+from ray_ckpt.engine.dtensor import is_dtensor, local
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.loopstate import RESTORED_STEP_ATTR, apply_loop, check_not_attached, derive_rng
+from ray_ckpt.engine.optim_layout import ShadowError
+from ray_ckpt.engine.restore import replay, resolve_and_load
+from ray_ckpt.engine.shadow import rebuild
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.lineage import Lineage, ManifestError, NoCheckpointError
+from ray_ckpt.lineage.layout import SHARD_RUN_TAG, SHARDS_DIR
 from ray_ckpt.storage import ObjectNotFound
 from ray_ckpt.storage.prefixed import PrefixedStorage
 
 log = logging.getLogger("ray_ckpt")
 
-SHARDS_DIR = "shards/"
 _MARKER_RE = re.compile(r"^world-(\d{5})\.json$")
-
-
-def is_dtensor(t: Any) -> bool:
-    # a plain tensor (the hot path: every captured gradient) never needs the import
-    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        return False
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(t, DTensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view of its storage); any other tensor as is."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 @dataclass(frozen=True)
@@ -123,9 +111,6 @@ def shard_storage(storage, world: int, rank: int) -> PrefixedStorage:
     if not (isinstance(world, int) and isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"bad shard {rank} of world {world}")
     return PrefixedStorage(storage, f"{SHARDS_DIR}w{world:05d}/r{rank:05d}/")
-
-
-SHARD_RUN_TAG = ":shard-"   #: between a run's name and ``w<world>-r<rank>`` in the name of a shard run
 
 
 def shard_run(run: str | None, world: int, rank: int) -> str | None:
@@ -227,7 +212,6 @@ def load_shard(storage, world: int, rank: int, step: int):
 
 
 def _replay_shard(storage, world: int, rank: int, step: int, device: torch.device, load=load_shard) -> _Replayed:
-    from ray_ckpt.engine.shadow import rebuild
     chain = load(storage, world, rank, step)
     if chain.step != step:
         raise NoCheckpointError(f"rank {rank} of world {world} restores step {chain.step}, not {step}")
@@ -358,7 +342,6 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
     apply_loop(home.loop, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                restore_rng=restore_rng)
     if own is None and restore_rng:
-        from ray_ckpt.engine.rankloop import derive_rng
         derive_rng(spec.rank)   # a rank the saved world did not have: streams of its own, reproducible
     setattr(optimizer, RESTORED_STEP_ATTR, step)
     log.info("ray_ckpt: rank %d of %d restored step %d from %d saved shard(s) of world size %d", spec.rank,

@@ -8,15 +8,18 @@ Where each call runs:
   ``make_capture``               training thread, once at attach
   ``encode_diffs``               writer thread / persistence actor, once per diff object
   ``decode_diffs`` / ``advance`` the restoring process
+
+This module holds the protocol and the registry only: the built-in strategies (:mod:`ray_ckpt.engine.lowdiff`,
+:mod:`ray_ckpt.engine.amber`) are named in a table and imported on first use; others are added with
+:func:`register`.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol
 
 import torch
 
-from ray_ckpt.config import LowDiff
-from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
 from ray_ckpt.lineage.manifest import ManifestError
 
@@ -38,59 +41,16 @@ class StrategyImpl(Protocol):
         """Bring model/optimizer from the full checkpoint at ``full_step`` to ``records[-1].step``."""
 
 
-class LowDiffImpl:
-    """LowDiff: records are consumed gradients; ``advance`` replays them through the optimizer."""
-
-    name = "lowdiff"
-
-    def __init__(self, config: LowDiff):
-        self.config = config
-
-    def make_capture(self, model, optimizer, sink, policy, **kwargs):
-        from ray_ckpt.engine.capture import LowDiffCapture
-        return LowDiffCapture(model, optimizer, sink, policy, capture_buffers=self.config.capture_buffers,
-                              **kwargs)
-
-    def encode_diffs(self, records: list) -> tuple[list, dict]:
-        return rec_fmt.encode_steps(records, max_density=self.config.max_sparse_density), {}
-
-    def decode_diffs(self, data, name: str, *, verify: bool = True, copy: bool = True) -> list:
-        return rec_fmt.decode_steps(data, name, verify=verify, copy=copy)
-
-    def advance(self, records, model, optimizer, full_step: int) -> None:
-        from ray_ckpt.engine.capture import apply_group_values
-        steps = [r.step for r in records]
-        if steps != list(range(full_step + 1, full_step + 1 + len(records))):
-            raise ValueError(f"LowDiff replay needs every step after {full_step}; got {steps[:5]}...")
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        # gradient tensors reused from step to step, as a training loop's zero_grad(set_to_none=False) does: only
-        # for torch's own optimizers, which never keep a reference to a gradient (another might alias it in its
-        # state, where training handed it a fresh tensor each step)
-        reuse = type(optimizer).__module__.startswith("torch.optim.") and len(records) > 1
-        grad_bufs: list = [None] * len(params)
-        try:
-            for rec in records:
-                if len(rec.grads) != len(params):
-                    raise ValueError(f"step {rec.step} recorded {len(rec.grads)} parameters, the optimizer has "
-                                     f"{len(params)}: restore into the same model and optimizer layout")
-                apply_group_values(optimizer, rec.hparams)
-                for i, (p, g) in enumerate(zip(params, rec.grads)):
-                    if g is None:
-                        p.grad = None
-                    elif tuple(p.shape) != g.shape:
-                        raise ValueError(f"step {rec.step}: gradient of shape {g.shape} for a parameter of "
-                                         f"shape {tuple(p.shape)}")
-                    else:
-                        p.grad = g.to_dense(p.device, out=grad_bufs[i])
-                        if reuse:
-                            grad_bufs[i] = p.grad
-                optimizer.step()
-        finally:
-            for p in params:
-                p.grad = None
-
-
-_REGISTRY: dict[str, Any] = {"lowdiff": (LowDiff, LowDiffImpl)}
+#: the built-in strategies: name -> (config class, implementation class) as ``"module:attr"``. A lazy plugin
+#: table: this seam imports no implementation (they build on the capture machinery and the codecs); each is
+#: imported on first use, so a process that decodes one strategy's objects imports only that strategy.
+_BUILTINS: dict[str, tuple[str, str]] = {
+    "lowdiff": ("ray_ckpt.config:LowDiff", "ray_ckpt.engine.lowdiff:LowDiffImpl"),
+    "amber": ("ray_ckpt.config:Amber", "ray_ckpt.engine.amber:AmberImpl"),
+    "loop": ("ray_ckpt.engine.lowdiff:LoopOnly", "ray_ckpt.engine.lowdiff:LoopImpl"),   # ranks' loop state
+}
+#: name -> (config class, implementation class) of every strategy loaded or registered so far
+_REGISTRY: dict[str, tuple[type, type]] = {}
 
 
 def register(name: str, config_cls: type, impl_cls: type) -> None:
@@ -98,22 +58,25 @@ def register(name: str, config_cls: type, impl_cls: type) -> None:
     _REGISTRY[name] = (config_cls, impl_cls)
 
 
-_builtins_loaded = False
+def _load(path: str) -> Any:
+    """The object a ``"module:attr"`` path of the lazy plugin table :data:`_BUILTINS` names (imported here)."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
-def _load_builtins() -> None:
-    """Import the modules that register the built-in strategies (Amber, per-rank loop state) on first use, so
-    that whichever module a process imported first, every strategy is known when an object is decoded."""
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        import ray_ckpt.engine.amber  # noqa: F401
-        import ray_ckpt.engine.rankloop  # noqa: F401
+def _entry(name: str) -> tuple[type, type] | None:
+    """``(config class, implementation class)`` of strategy ``name``, a built-in loaded on first use; None if
+    unknown."""
+    if name not in _REGISTRY and name in _BUILTINS:
+        config_path, impl_path = _BUILTINS[name]
+        _REGISTRY[name] = (_load(config_path), _load(impl_path))
+    return _REGISTRY.get(name)
 
 
 def impl_for(strategy: Any) -> StrategyImpl:
     """The implementation for a strategy config object (``ray_ckpt.LowDiff()``, ``ray_ckpt.Amber()``...)."""
-    _load_builtins()
+    for name in _BUILTINS:
+        _entry(name)
     for config_cls, impl_cls in _REGISTRY.values():
         if isinstance(strategy, config_cls):
             return impl_cls(strategy)
@@ -135,10 +98,9 @@ def decode_object(impl: StrategyImpl, data, name: str, *, verify: bool = True, c
 
 def impl_by_name(name: str) -> StrategyImpl:
     """The implementation that decodes objects written with strategy ``name`` (default settings)."""
-    _load_builtins()
-    try:
-        config_cls, impl_cls = _REGISTRY[name]
-    except KeyError:
+    entry = _entry(name)
+    if entry is None:
         raise ManifestError(f"objects were written with strategy {name!r:.80}, which this ray_ckpt does not "
-                            "know") from None
+                            "know")
+    config_cls, impl_cls = entry
     return impl_cls(config_cls())

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ray_ckpt.api import restore
 from ray_ckpt.engine import rankloop
+from ray_ckpt.engine.loopstate import derive_rng
 from ray_ckpt.lineage import NoCheckpointError
 
 log = logging.getLogger("ray_ckpt")
@@ -157,7 +158,7 @@ def _restore_own_loop(storage, rank: int, generation: int, step: int, *, recorde
     if recorded:
         rankloop.apply_rank_loop(rankloop.load_rank_loop(storage, rank, generation, step), extra_state=extra_state)
         return
-    seed = rankloop.derive_rng(rank)
+    seed = derive_rng(rank)
     hook = getattr(extra_state, "reset_for_new_rank", None)
     if callable(hook):
         hook()

@@ -2,7 +2,7 @@
 
 LowDiff's premise is that training already exchanges a small *aggregated compressed gradient* every step; these
 hooks are that compression, and the top-k hook additionally publishes, per parameter, the positions of its
-non-zero aggregated gradient (:mod:`ray_ckpt.engine.support`) so the capture can gather ``O(k)`` values instead of
+non-zero aggregated gradient (:mod:`ray_ckpt.engine.grad_support`) so the capture can gather ``O(k)`` values instead of
 scanning dense gradients.
 
 Usage, in every training process, once, after wrapping the model::
@@ -48,7 +48,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ray_ckpt.engine import support
+from ray_ckpt.engine import grad_support as support
 
 __all__ = [
     "DEFAULT_SAMPLE_SIZE",
@@ -519,7 +519,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     in rank order into the union of the gathered indices; keep, per parameter, the top-``k_p`` of that sum (ties
     by position); divide by the world size and write it densely (zeros elsewhere) into the bucket buffer, which
     is the future's value. Then publish, for each parameter, the sorted int64 flat indices of its kept elements
-    to :mod:`ray_ckpt.engine.support`. Each parameter's aggregated gradient has at most ``k_p`` non-zeros; each
+    to :mod:`ray_ckpt.engine.grad_support`. Each parameter's aggregated gradient has at most ``k_p`` non-zeros; each
     is the mean over all ranks of the values of the ranks that selected that position (the others count as
     zero). Every step of this is a function of each parameter's own values, so the result does not depend on
     how DDP laid the parameters out in buckets.

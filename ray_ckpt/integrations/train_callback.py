@@ -33,7 +33,7 @@ import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from ray_ckpt import storage as _storage
-from ray_ckpt.storage.uri import SECRET_OPTIONS
+from ray_ckpt.storage.s3_options import SECRET_OPTIONS
 from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.lineage import MANIFESTS_DIR
 from ray_ckpt.lineage.layout import RUN_MARKER

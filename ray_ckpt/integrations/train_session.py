@@ -22,7 +22,7 @@ import torch
 from ray_ckpt import storage as _storage
 from ray_ckpt.api import Checkpointer
 from ray_ckpt.config import CheckpointConfig
-from ray_ckpt.engine.capture import as_stateful
+from ray_ckpt.engine.loopstate import as_stateful
 from ray_ckpt.engine.rankloop import RankLoopRecorder
 from ray_ckpt.engine.targets import check_params, unwrap
 from ray_ckpt.integrations.agreement import Collective, agreed_restore, sharded_agreed_restore

@@ -33,9 +33,9 @@ from __future__ import annotations
 import json
 
 from ray_ckpt.lineage import layout
+from ray_ckpt.lineage.layout import INDEX_KEY
 from ray_ckpt.lineage.manifest import Manifest, ManifestError
 
-INDEX_KEY = "lineage/index.json"
 INDEX_FORMAT = 1
 
 

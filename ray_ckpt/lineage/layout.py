@@ -6,6 +6,11 @@
 ``<name>`` is ``g<generation>-full-<step>`` or ``g<generation>-diff-<first>-<last>`` with zero-padded
 numbers, so a sorted listing is in step order. A *generation* is one attach of a Checkpointer to the root;
 a later generation supersedes earlier ones from its start step on (a resumed or branched run).
+
+Next to them, under the same root: the lineage index and the policy report (``lineage/``), the writer lease, the
+loop-state lineages of ranks > 0 (``ranks/``), the shard lineages of sharded state (``shards/``) and the Amber tier
+(``tiers/amber/``); each of those sub-lineages names its objects and manifests as above. Two names here are not
+keys under the root: the description file of an export directory, and the tag in the name of a shard run.
 """
 from __future__ import annotations
 
@@ -18,6 +23,25 @@ MANIFEST_SUFFIX = ".json"
 #: the newest manifest format this version reads and writes: 2 = objects checksummed with CRC-32C (``crc_alg``);
 #: a manifest of a CRC-32 object is still written as format 1, readable by versions before CRC-32C
 FORMAT_VERSION = 2
+
+#: the lineage index: the committed manifests rolled up into one object (:mod:`ray_ckpt.lineage.index`)
+INDEX_KEY = "lineage/index.json"
+#: the adaptive policy's latest report (:mod:`ray_ckpt.policy.adaptive`; ``ray-ckpt inspect`` shows it)
+POLICY_REPORT_KEY = "lineage/policy.json"
+#: the lineage's writer lease (:mod:`ray_ckpt.engine.lease`)
+LEASE_KEY = "lease.json"
+#: rank ``r``'s loop-state lineage (``r >= 1``) is below ``ranks/<r>/`` (:mod:`ray_ckpt.engine.rankloop`)
+RANKS_DIR = "ranks/"
+#: sharded (FSDP2) state: rank ``r``'s shard lineage at world size ``w`` below ``shards/w<w>/r<r>/`` (5 digits
+#: each), and a marker ``shards/world-<w>.json`` per saved world size (:mod:`ray_ckpt.engine.sharded`)
+SHARDS_DIR = "shards/"
+#: the Amber tier of a LowDiff+ run: a lineage of increments of its own (:mod:`ray_ckpt.engine.amber_tier`)
+TIER_DIR = "tiers/amber/"
+#: the description file in an export directory (:mod:`ray_ckpt.engine.export`; not a key under the root)
+INFO_FILE = "ray_ckpt_export.json"
+#: between a run's name and ``w<world>-r<rank>`` in the name of a shard run (the Ray runtime's run of one shard
+#: lineage, see :func:`ray_ckpt.engine.sharded.shard_run`; a name of actors, not a key under the root)
+SHARD_RUN_TAG = ":shard-"
 
 _NAME_RE = re.compile(r"^g(\d{6})-(full-(\d{12})|diff-(\d{12})-(\d{12}))$")
 OBJECT_KEY_RE = re.compile(r"^objects/g\d{6}-(full-\d{12}|diff-\d{12}-\d{12})\.rckpt$")

@@ -30,6 +30,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+from ray_ckpt.lineage.layout import POLICY_REPORT_KEY
 from ray_ckpt.policy.cost import CostInputs, CostModel
 from ray_ckpt.policy.frequency import StepContext, StepDecision
 
@@ -373,8 +374,6 @@ class PolicyTuner:
 
 
 # -- glue for the owners (coordinator actor, local writer thread) and readers (stats, CLI) ---------------------
-#: where the latest policy report is published on storage (``ray-ckpt inspect`` shows it)
-POLICY_REPORT_KEY = "lineage/policy.json"
 
 
 def make_tuner(full_every: int, batch_steps: int, *, pinned=frozenset(), mtbf_hint: float = 86400.0,

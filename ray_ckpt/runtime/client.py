@@ -8,7 +8,8 @@ import logging
 
 import ray
 
-from ray_ckpt.engine.restore import LoadedChain, load_lineage
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.restore import LoadedChain
 from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+from ray_ckpt.lineage.layout import SHARD_RUN_TAG
+
 NAMESPACE = "ray_ckpt"
 
 
@@ -33,7 +35,6 @@ def shard_runs(run: str, actor_names) -> list[str]:
     """The shard runs of ``run`` (sharded FSDP2 state with runtime='ray', named by
     :func:`ray_ckpt.engine.sharded.shard_run`) that have actors among ``actor_names`` (e.g. from
     ``ray.util.list_named_actors``), sorted."""
-    from ray_ckpt.engine.sharded import SHARD_RUN_TAG
     head = f"ray_ckpt:{run}{SHARD_RUN_TAG}"
     out = set()
     for name in actor_names:

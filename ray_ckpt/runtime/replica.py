@@ -30,9 +30,9 @@ import ray
 from ray_ckpt.config import Amber
 from ray_ckpt.engine import amber_tier
 from ray_ckpt.engine.amber import ShadowAmber
-from ray_ckpt.engine.capture import FINGERPRINT_KEY
-from ray_ckpt.engine.restore import unhide
-from ray_ckpt.engine.shadow import ShadowError, ShadowState
+from ray_ckpt.engine.lineage_io import unhide
+from ray_ckpt.engine.optim_layout import FINGERPRINT_KEY, ShadowError
+from ray_ckpt.engine.shadow import ShadowState
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments

@@ -15,8 +15,6 @@ from urllib.parse import unquote, urlsplit
 
 from .base import StorageBackend, StorageError
 from .s3_options import parse_s3_uri, redact
-# re-exported: callers that check option names import it from here
-from .s3_options import SECRET_OPTIONS  # noqa: F401
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 

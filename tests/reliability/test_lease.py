@@ -11,7 +11,8 @@ import time
 import pytest
 
 import ray_ckpt
-from ray_ckpt.engine.lease import LEASE_KEY, Lease, LeaseError
+from ray_ckpt.engine.lease import Lease, LeaseError
+from ray_ckpt.lineage.layout import LEASE_KEY
 from ray_ckpt.storage import open_storage
 from tests import _training as T
 from tests.reliability import record
