@@ -115,15 +115,15 @@ def _drop_exact_records(uri: str) -> None:
     """Delete the main lineage's step records (and its index) from a local checkpoint directory: what storage holds
     when a LowDiff+ run's memory tier is lost before its records were written (benchmark of the Amber tier)."""
     from ray_ckpt.engine.lineage_io import load_lineage
-    from ray_ckpt.lineage import index as lineage_index
+    from ray_ckpt.lineage.layout import INDEX_KEY
     from ray_ckpt.storage import open_storage
     storage = open_storage(uri)
     for m in load_lineage(storage, use_index=False)[0].manifests:
         if m.kind == "diff":
             storage.delete(m.key)
             storage.delete(m.object)
-    if storage.exists(lineage_index.INDEX_KEY):
-        storage.delete(lineage_index.INDEX_KEY)
+    if storage.exists(INDEX_KEY):
+        storage.delete(INDEX_KEY)
 
 
 def _checkpointer(rank: int, cell: dict, a: blocks.Arm):

@@ -50,6 +50,7 @@ def _worker(rank, world, port, cases, out):
         json.dump(results, f)
 
 
+@pytest.mark.procs
 def test_agreement_failure_and_fresh_start(tmp_path):
     """Four cases in one 2-process group (one spawn keeps the suite short):
     1. rank 1 sees a lineage that reaches further (as when a commit lands while the ranks resolve "latest"):
@@ -175,6 +176,7 @@ def plain_reference(tmp_path_factory):
     return _group(tmp, str(tmp / "ref"), "ref", True, 23)
 
 
+@pytest.mark.procs
 def test_each_rank_continues_with_its_own_rng_and_extra_state(tmp_path, plain_reference):
     ref = plain_reference
     assert ref[0]["probe"] != ref[1]["probe"]          # the ranks' streams differ: per-rank state matters
@@ -187,6 +189,7 @@ def test_each_rank_continues_with_its_own_rng_and_extra_state(tmp_path, plain_re
             assert got[r][key] == ref[r][key], f"rank {r}: {key} differs from the uninterrupted run"
 
 
+@pytest.mark.procs
 def test_a_rank_whose_last_loop_records_were_lost_pulls_the_group_back(tmp_path, plain_reference):
     """Rank 1 dies with its last records unwritten (rank 0 made all 14 steps durable): every rank restores the
     last step rank 1 recorded, and the continued run still equals the uninterrupted one on every rank."""
@@ -201,6 +204,7 @@ def test_a_rank_whose_last_loop_records_were_lost_pulls_the_group_back(tmp_path,
             assert got[r][key] == ref[r][key], f"rank {r}: {key} differs from the uninterrupted run"
 
 
+@pytest.mark.procs
 def test_error_feedback_residuals_are_restored_per_rank(tmp_path):
     """Top-k with error feedback: each rank's residual is part of its loop state (ResidualState), so the
     continued run equals the uninterrupted one on every rank; without it, the same restore diverges."""
@@ -217,6 +221,7 @@ def test_error_feedback_residuals_are_restored_per_rank(tmp_path):
     assert lossy[0]["w"] != ref[0]["w"]
 
 
+@pytest.mark.procs
 def test_a_rank_new_to_the_group_derives_its_streams_deterministically(tmp_path):
     """1 rank grows to 2: rank 1 has no loop state of its own; it keeps rank 0's extra state, runs the user's
     reset_for_new_rank() hook, and derives RNG streams that differ from rank 0's and are the same at every

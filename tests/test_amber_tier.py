@@ -21,9 +21,9 @@ from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.engine.restore import read_object
 from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format.delta import encode_records
-from ray_ckpt.lineage import index as lineage_index
 from ray_ckpt.runtime.coordinator import shutdown_run
 from ray_ckpt.storage import open_storage
+from ray_ckpt.lineage.layout import INDEX_KEY
 from tests import _training as T
 from tests.test_state_tier import _fresh, _wait_delegated, _wait_replica_at
 
@@ -123,8 +123,8 @@ def test_replica_increments_equal_the_trainers_and_restore_within_the_bound(run_
     for x in main.manifests:
         if x.kind == "diff":
             storage.delete(x.key)
-    if storage.exists(lineage_index.INDEX_KEY):
-        storage.delete(lineage_index.INDEX_KEY)
+    if storage.exists(INDEX_KEY):
+        storage.delete(INDEX_KEY)
     for s in range(1, STEPS + 1):
         tier_state, local_state = _restore(uri, s), _restore(local_uri, s)
         T.assert_same(local_state, tier_state, f"step {s}: Amber tier vs trainer-side Amber")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.procs]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

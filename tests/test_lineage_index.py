@@ -12,6 +12,7 @@ from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.engine.restore import plan_restore, resolve_and_load
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.lineage import index as lineage_index
+from ray_ckpt.lineage.layout import INDEX_KEY
 
 
 class CountingStorage:
@@ -166,7 +167,7 @@ def test_an_object_committed_behind_the_index_is_never_hidden(tmp_path):
 
     # 1. the coordinator knows the late object is pending: the index's diff watermark stays below it
     lineage_index.write_index(storage, ms + after, pending=[late])
-    index = lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY))
+    index = lineage_index.decode_index(storage.read(INDEX_KEY))
     assert index[1]["g000001-diff"] < late.key and index[1]["g000001-full"] == after[-1].key
     storage.write(late.key, late.to_json())
     assert not lineage_index.hides(index, late) and not unhide(storage, late)
@@ -179,7 +180,7 @@ def test_an_object_committed_behind_the_index_is_never_hidden(tmp_path):
     storage.write(late.key, late.to_json())
     lin, _ = load_lineage(storage)
     assert late.name not in {m.name for m in lin.manifests}          # what went wrong before
-    assert unhide(storage, late) and not storage.exists(lineage_index.INDEX_KEY)
+    assert unhide(storage, late) and not storage.exists(INDEX_KEY)
     lin, _ = load_lineage(storage)
     assert sorted(m.name for m in lin.manifests) == sorted(m.name for m in everything)
 
@@ -189,7 +190,7 @@ def test_an_object_committed_behind_the_index_is_never_hidden(tmp_path):
         storage.write(m.key, m.to_json())
     storage.delete(late.key)
     lineage_index.write_index(storage, ms + after + gen2, pending=[late])
-    index = lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY))
+    index = lineage_index.decode_index(storage.read(INDEX_KEY))
     assert index[0] == 1 and not lineage_index.hides(index, late)
     storage.write(late.key, late.to_json())
     lin, _ = load_lineage(storage)
@@ -197,7 +198,7 @@ def test_an_object_committed_behind_the_index_is_never_hidden(tmp_path):
     assert lin.resolve(None).step == 42
     # an index of generation 2 that does not list the late generation-1 object hides it
     lineage_index.write_index(storage, ms + after + gen2)
-    assert lineage_index.hides(lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY)), late)
+    assert lineage_index.hides(lineage_index.decode_index(storage.read(INDEX_KEY)), late)
 
 
 def test_missing_or_broken_index_falls_back_to_listing(tmp_path):
@@ -212,7 +213,7 @@ def test_missing_or_broken_index_falls_back_to_listing(tmp_path):
     assert lin.resolve(None).step == 220 and counting.calls["list"] == 1
     for junk in (b"{not json", b'{"format": 99}', b'{"format": 1, "generation": 1, "watermarks": '
                                                     b'{"g000001-diff": "../../etc"}, "manifests": []}'):
-        storage.write(lineage_index.INDEX_KEY, junk)
+        storage.write(INDEX_KEY, junk)
         lin, _ = load_lineage(storage)
         assert lin.resolve(None).step == 220 and len(lin.manifests) == len(ms)
 
@@ -236,8 +237,8 @@ def test_local_writer_rolls_the_index_and_restore_uses_it(tmp_path):
     uri = str(tmp_path / "ck")
     model, opt = _train(dict(full_every=6, batch_steps=2), uri, 15)
     storage = open_storage(uri)
-    assert storage.exists(lineage_index.INDEX_KEY)
-    _, _, indexed = lineage_index.decode_index(storage.read(lineage_index.INDEX_KEY))
+    assert storage.exists(INDEX_KEY)
+    _, _, indexed = lineage_index.decode_index(storage.read(INDEX_KEY))
     assert max(m.last_step for m in indexed if m.kind == "full") == 12
     m2 = torch.nn.Linear(4, 3)
     o2 = torch.optim.Adam(m2.parameters(), lr=0.01)

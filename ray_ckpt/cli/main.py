@@ -37,6 +37,7 @@ from ray_ckpt.engine.strategy import impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.lineage import ManifestError, NoCheckpointError
+from ray_ckpt.lineage.layout import TIER_DIR
 from ray_ckpt.policy.adaptive import read_report
 from ray_ckpt.storage import StorageError, open_storage
 
@@ -146,7 +147,7 @@ def cmd_ls(storage, args) -> int:
                   "of the running cluster (Checkpointer.stats()['runtime']['restorable'])")
         a = r.get("amber_tier")
         if a:
-            print(f"    Amber tier ({amber_tier.TIER_DIR}): {a['increments_objects']} objects, {_human(a['bytes'])}; "
+            print(f"    Amber tier ({TIER_DIR}): {a['increments_objects']} objects, {_human(a['bytes'])}; "
                   f"restorable from storage within the bound ({a['bound']}): steps {a['restorable']}")
     for key in bad:
         print(f"  malformed manifest ignored: {key}")
@@ -169,7 +170,7 @@ def cmd_inspect(storage, args) -> int:
             print(f"ray-ckpt: {e}", file=sys.stderr)
             return 1
     out = {"step": plan.step, "generation": plan.generation, "tier": tier,
-           "read": [{"object": (amber_tier.TIER_DIR if m.info.get("tier") == amber_tier.TIER else "") + m.object,
+           "read": [{"object": (TIER_DIR if m.info.get("tier") == amber_tier.TIER else "") + m.object,
                      "kind": m.kind, "steps": [m.first_step, m.last_step],
                      "bytes": m.nbytes, "strategy": m.strategy} for m in plan.objects]}
     if tier == "amber":
@@ -307,7 +308,7 @@ def cmd_gc(storage, args) -> int:
             bar.close()
     objects = (res.orphans + [m.object for m in res.deleted]
                + [f"ranks/{r}/{m.object}" for r, ms in res.rank_deleted.items() for m in ms]
-               + [amber_tier.TIER_DIR + m.object for m in res.tier_deleted])
+               + [TIER_DIR + m.object for m in res.tier_deleted])
     if args.json:
         print(json.dumps({"dry_run": res.dry_run, "kept_from_step": res.kept_from_step, "objects": objects,
                           "bytes": res.nbytes}, indent=2))

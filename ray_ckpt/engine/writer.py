@@ -55,7 +55,10 @@ class WriterStats:
 
 
 @dataclass
-class _Flush:
+class FlushMarker:
+    """A queue entry asking a sink's background thread to finish everything queued before it, then set
+    ``done``. Put by the training thread (``flush``), consumed by the sink's thread."""
+
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -116,7 +119,7 @@ class BoundedSink:
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once everything submitted so far is handled (training thread; blocks)."""
-        marker = _Flush()
+        marker = FlushMarker()
         with self._cv:
             self._raise_if_failed()
             self._queue.append((marker, 0, True))
@@ -162,11 +165,11 @@ class BoundedSink:
         with self._cv:
             self._error = e
             for it, _, _ in self._queue:
-                if isinstance(it, _Flush):
+                if isinstance(it, FlushMarker):
                     it.done.set()
             self._queue.clear()
             self._cv.notify_all()
-        if isinstance(current, _Flush):
+        if isinstance(current, FlushMarker):
             current.done.set()
 
 
@@ -218,7 +221,7 @@ class AsyncWriter(BoundedSink):
                     self._write_batch()
                     continue
                 item, size, close_batch = entry
-                if isinstance(item, _Flush):
+                if isinstance(item, FlushMarker):
                     self._write_batch()
                     item.done.set()
                 elif isinstance(item, FullState):

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
-from ray_ckpt.engine.writer import BoundedSink, WriterError, _Flush
+from ray_ckpt.engine.writer import BoundedSink, WriterError, FlushMarker
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
 from ray_ckpt.format.records import FullState
@@ -151,7 +151,7 @@ class RaySink(BoundedSink):
 
     def wait_safe(self, timeout: float | None = 300.0) -> None:
         """Return once everything submitted so far is held on two nodes or durable (training thread)."""
-        marker = _Flush()
+        marker = FlushMarker()
         marker.safe_only = True
         with self._cv:
             self._raise_if_failed()
@@ -221,7 +221,7 @@ class RaySink(BoundedSink):
             try:
                 if entry is not None:
                     item, size, close_batch = entry
-                    if isinstance(item, _Flush):
+                    if isinstance(item, FlushMarker):
                         if chunk:
                             self._handoff(chunk)
                             chunk = []

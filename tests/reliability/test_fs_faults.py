@@ -75,7 +75,7 @@ def test_read_only_checkpoints_restore_and_refuse_a_writer_clearly(tmp_path, nam
            steps_lost=[0])
 
 
-@pytest.mark.parametrize("runtime", ["local", "ray"])
+@pytest.mark.parametrize("runtime", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_full_disk_fails_the_training_thread_and_keeps_the_last_committed_step(tmp_path, namespaces, runtime):
     """A 3 MiB tmpfs fills up during training: the training thread gets a WriterError naming the cause (local:
     within a few steps; ray: once the node's worker reaches the failed write, seconds later — meanwhile the steps
