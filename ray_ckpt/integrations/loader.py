@@ -72,7 +72,8 @@ class ResumableLoader:
     pass re-creates that epoch: it puts the epoch's starting RNG states back, sets the sampler's epoch, builds a
     ``DataLoader`` with the wrapped loader's settings whose index sampler draws the epoch's order as the
     uninterrupted run did and drops the consumed batches *without loading them*, then puts the global torch RNG
-    back to the restored step's state before the first remaining batch is loaded. The batch order, the loader's
+    back, before the first remaining batch is loaded, to the state the pass began with: the restored step's,
+    as long as the loop draws no random numbers between the restore and its first pass. The batch order, the loader's
     draws from the global RNG (the workers' base seed, drawn at each epoch's start, and a generator-less
     ``RandomSampler``'s permutation seed) and the global RNG the loop continues with (dropout) are then the
     uninterrupted run's, bit for bit. A restore at an epoch's end continues with the next epoch.
