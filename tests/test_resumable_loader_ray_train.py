@@ -24,7 +24,8 @@ def _fit(tmp, name, config):
     trainer = TorchTrainer(
         epoch_loop, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=name, storage_path=str(tmp / "ray_train"), failure_config=FailureConfig(max_failures=1),
+        run_config=RunConfig(name=name, storage_path=str(tmp / "ray_train"),
+                             failure_config=FailureConfig(max_failures=1),
                              callbacks=[ray_ckpt.train.RayCkptCallback(tmp / f"ckpt-{name}", full_every=10,
                                                                        batch_steps=2)]))
     return trainer.fit()
@@ -32,6 +33,7 @@ def _fit(tmp, name, config):
 
 def _finals(out):
     got = [torch.load(p, weights_only=True) for p in glob.glob(str(out / "final-*.pt"))]
+    assert len(got) == 2, [(d["rank"], d["start"]) for d in got]     # one final per rank: the last attempt's
     return {d["rank"]: d for d in got}
 
 
