@@ -44,6 +44,8 @@ def _loader(kind: str, ds: Dataset, batch: int = BATCH) -> DataLoader:
         return DataLoader(ds, batch_size=batch, sampler=sampler)
     if kind == "workers":
         return DataLoader(ds, batch_size=batch, shuffle=True, num_workers=2)
+    if kind == "unbatched":                 # no batch sampler: the sampler's indices are the steps
+        return DataLoader(ds, batch_size=None, shuffle=True)
     raise AssertionError(kind)
 
 
@@ -105,6 +107,18 @@ def _uninterrupted(kind: str, seen: list | None = None) -> tuple[dict, int]:
     return _final(model, opt, loader), steps
 
 
+_REFERENCES: dict = {}
+
+
+def _reference(kind: str) -> tuple[dict, int, list]:
+    """The uninterrupted run's final state, its steps and the batches it trained on (computed once per kind)."""
+    if kind not in _REFERENCES:
+        seen: list = []
+        final, steps = _uninterrupted(kind, seen)
+        _REFERENCES[kind] = (final, steps, seen)
+    return _REFERENCES[kind]
+
+
 def _stopped_at(kind: str, stop: int, uri: str) -> None:
     """Train to ``stop`` with a Checkpointer, close it, drop everything."""
     model, opt = _build()
@@ -129,9 +143,10 @@ def _uri(tmp_path) -> str:
     ("dist1", 5),
     ("dist1", 3),
     ("workers", 8),
+    ("unbatched", 100),   # epoch 1, row 4 of 96
 ])
 def test_restored_run_ends_bitwise_where_the_uninterrupted_run_ends(tmp_path, kind, stop):
-    reference, total = _uninterrupted(kind)
+    reference, total, seen_ref = _reference(kind)
     uri = _uri(tmp_path)
     _stopped_at(kind, stop, uri)
 
@@ -147,18 +162,12 @@ def test_restored_run_ends_bitwise_where_the_uninterrupted_run_ends(tmp_path, ki
     assert _train(model, opt, data, step) == total
     _assert_same(_final(model, opt, loader), reference)
     if kind != "workers":          # the rows loaded after the restore: only the remaining batches'
-        assert ds.loads == sum(len(x) for x in _batches_after(kind, stop))
-
-
-def _batches_after(kind: str, stop: int) -> list:
-    seen: list = []
-    _uninterrupted(kind, seen)
-    return seen[stop:]
+        assert ds.loads == sum(len(x) if x.dim() > 1 else 1 for x in seen_ref[stop:])
 
 
 def test_the_wrapper_leaves_an_uninterrupted_run_as_the_plain_loop_has_it():
     for kind in ("shuffle", "dist1"):
-        reference, _ = _uninterrupted(kind)
+        reference, _, _ = _reference(kind)
         model, opt = _build()
         loader = _loader(kind, Rows())
         for epoch in range(EPOCHS):
@@ -173,8 +182,7 @@ def test_naive_resume_sees_the_same_batches_and_ends_elsewhere(tmp_path):
     """The DistributedSampler's order depends only on its seed and epoch: a fresh iterator with the consumed
     batches skipped by next() trains on the same batches, yet its base-seed draw shifts the dropout RNG."""
     kind, stop = "dist0", 4
-    seen_ref: list = []
-    reference, total = _uninterrupted(kind, seen_ref)
+    reference, total, seen_ref = _reference(kind)
     uri = _uri(tmp_path)
     _stopped_at(kind, stop, uri)
 
@@ -202,8 +210,7 @@ def test_naive_resume_sees_the_same_batches_and_ends_elsewhere(tmp_path):
 def test_a_generator_less_shuffle_resumed_naively_trains_other_batches(tmp_path):
     """Without the recorded epoch-start RNG a RandomSampler's permutation is drawn from the restored step's RNG."""
     kind, stop = "shuffle", 8
-    seen_ref: list = []
-    _uninterrupted(kind, seen_ref)
+    _, _, seen_ref = _reference(kind)
     uri = _uri(tmp_path)
     _stopped_at(kind, stop, uri)
     model, opt = _build(seed=99)
