@@ -249,6 +249,25 @@ def test_a_loader_of_another_shape_is_refused_at_restore(tmp_path, change, match
         ray_ckpt.restore(uri, model, opt, extra_state=data)
 
 
+def test_another_ranks_position_is_refused_when_the_loop_starts_and_replaced_by_its_own(tmp_path):
+    """Under Ray Train every rank loads rank 0's extra state first, then its own over it: the rank is checked when
+    the loop starts; a rank left with rank 0's position (it joined a resized group) is refused there."""
+    rank0, rank1 = (tmp_path / "r0").as_uri(), (tmp_path / "r1").as_uri()
+    _stopped_at("dist0", 4, rank0)
+    _stopped_at("dist1", 4, rank1)
+    model, opt = _build(seed=99)
+    loader = _loader("dist1", Rows())
+    data = ResumableLoader(loader)
+    step = ray_ckpt.restore(rank0, model, opt, extra_state=data)
+    with pytest.raises(ValueError, match="position is rank 0's and this is rank 1"):
+        next(iter(data.epochs(EPOCHS, start_step=step)))
+    with pytest.raises(ValueError, match="position is rank 0's and this is rank 1"):
+        next(iter(data))
+    assert ray_ckpt.restore(rank1, model, opt, extra_state=data) == step     # its own over it
+    assert _train(model, opt, data, step) == _reference("dist1")[1]
+    _assert_same(_final(model, opt, loader), _reference("dist1")[0])
+
+
 def test_what_cannot_resume_exactly_is_refused_when_wrapped():
     class Stream(IterableDataset):
         def __iter__(self):

@@ -96,8 +96,9 @@ class ResumableLoader:
     **Refused, with a clear error:** an ``IterableDataset``; a ``DataLoader`` subclass other than Ray's prepared
     loader (torchdata's ``StatefulDataLoader`` resumes itself: give it to ``extra_state`` directly); a restore
     whose checkpoint was taken with another loader shape (dataset length, batch size, batches per epoch, sampler
-    kind, world size or rank: a resized Ray Train group included); ``epochs(..., start_step=s)`` with ``s > 0``
-    when no state was restored into the wrapper (it was not given to ``extra_state``).
+    kind or world size: a resized Ray Train group included), raised by the restore; a restored position of
+    another rank (a rank that joined a resized group), raised when the loop starts; ``epochs(..., start_step=s)``
+    with ``s > 0`` when no state was restored into the wrapper (it was not given to ``extra_state``).
     """
 
     def __init__(self, loader: DataLoader):
@@ -127,6 +128,7 @@ class ResumableLoader:
         self._resume = False          # the next pass continues the restored epoch mid-way
         self._replay_end = False      # the restored epoch ended: replay its draws of the loader's own generators
         self._planned: int | None = None
+        self._other_rank: tuple | None = None   # (saved, own) when the restored state is another rank's
 
     # -- the loop's side ------------------------------------------------------------------------------------
     @property
@@ -147,6 +149,7 @@ class ResumableLoader:
         epoch (mid-way) or the one after it; iterate ``data`` once inside each. ``start_step`` (e.g.
         ``session.start_step``): when it is > 0 the wrapper must have been restored, otherwise RuntimeError
         (it was not given to ``extra_state``, and the epoch could not be resumed exactly)."""
+        self._check_own_state()
         if start_step and not self._restored:
             raise RuntimeError(f"the run resumes at step {start_step} but this ResumableLoader was not restored: "
                                f"give it to extra_state (attach/Checkpointer/restore) so that its epoch and "
@@ -158,6 +161,7 @@ class ResumableLoader:
             epoch += 1
 
     def __iter__(self) -> Iterator:
+        self._check_own_state()
         epoch = self._planned if self._planned is not None else self._next_epoch()
         self._planned = None
         if self._resume:
@@ -171,6 +175,13 @@ class ResumableLoader:
         for batch in batches:
             self._position += 1
             yield batch
+
+    def _check_own_state(self) -> None:
+        if self._other_rank is not None:
+            saved, own = self._other_rank
+            raise ValueError(f"ResumableLoader cannot resume exactly: the restored position is rank {saved}'s and "
+                             f"this is rank {own} (a rank that was not part of the saved world: the group was "
+                             f"resized)")
 
     def _next_epoch(self) -> int:
         if self._resume or not self._started:
@@ -263,13 +274,18 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Take a restored step's state; the next pass continues from it. Raises ValueError when the checkpoint
-        was taken with a loader of another shape (training process, before the loop)."""
+        was taken with a loader of another shape; another rank's state is refused when the loop starts (training
+        process, before the loop)."""
         saved = state["shape"]
         changed = {k: (saved.get(k), v) for k, v in self._shape.items() if saved.get(k) != v}
+        # another rank's state is checked when the loop starts: under Ray Train every rank first loads rank 0's
+        # extra state, then its own over it (a rank that was not in the saved world keeps rank 0's)
+        other_rank = changed.pop("rank", None)
         if changed:
             what = ", ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in sorted(changed.items()))
             raise ValueError(f"ResumableLoader cannot resume exactly: the loader differs from the checkpoint's "
                              f"({what})")
+        self._other_rank = other_rank
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._started = bool(state["started"])
         self._torch_rng = state["torch_rng"]
