@@ -73,8 +73,8 @@ class ResumableLoader:
     ``DataLoader`` with the wrapped loader's settings whose index sampler draws the epoch's order as the
     uninterrupted run did and drops the consumed batches *without loading them*, then puts the global torch RNG
     back, before the first remaining batch is loaded, to the state the pass began with: the restored step's,
-    as long as the loop draws no random numbers between the restore and its first pass. The batch order, the loader's
-    draws from the global RNG (the workers' base seed, drawn at each epoch's start, and a generator-less
+    as long as the loop draws no random numbers between the restore and its first pass. The batch order, the
+    loader's draws from the global RNG (the workers' base seed, drawn at each epoch's start, and a generator-less
     ``RandomSampler``'s permutation seed) and the global RNG the loop continues with (dropout) are then the
     uninterrupted run's, bit for bit. A restore at an epoch's end continues with the next epoch.
 
@@ -87,11 +87,14 @@ class ResumableLoader:
 
     **num_workers > 0**: the order, the base seed the workers are seeded from and the training process's RNG are
     exact; the resumed epoch runs in workers of its own (started for it), which get the remaining batches
-    round-robin from worker 0. Randomness drawn *while loading* (augmentation in ``__getitem__`` from a
-    worker's RNG) is not replayed for the skipped batches, and with Ray's prepared loader (which loads one batch
-    ahead) nor for the first batch after a restore: exact only when ``__getitem__`` draws no random numbers (or
-    derives them from the index). ``persistent_workers=True`` is refused: its base seed is drawn once per
-    iterator, which a resumed process creates in another epoch.
+    round-robin from worker 0. ``persistent_workers=True`` is refused: its base seed is drawn once per iterator,
+    which a resumed process creates in another epoch.
+
+    **Randomness drawn while loading** (a random augmentation in ``__getitem__``) is not replayed for the skipped
+    batches: in workers (``num_workers > 0``) their RNG streams then differ for the rest of the epoch; with Ray's
+    prepared loader, which loads one batch ahead, the first batch after a restore is loaded again from the
+    restored RNG. Exact in every case when ``__getitem__`` draws no random numbers (or derives them from the
+    index); with a plain loader and ``num_workers=0`` global-RNG draws while loading are exact too.
 
     **Refused, with a clear error:** an ``IterableDataset``; a ``DataLoader`` subclass other than Ray's prepared
     loader (torchdata's ``StatefulDataLoader`` resumes itself: give it to ``extra_state`` directly); a restore
