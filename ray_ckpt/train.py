@@ -1,10 +1,12 @@
 """Ray Train integration (public): ``attach`` inside ``train_loop_per_worker``, ``RayCkptCallback`` in
-``RunConfig(callbacks=[...])``. See :mod:`ray_ckpt.integrations.train_callback` for the hooks used,
-:mod:`ray_ckpt.integrations.train_session` for the worker side and :mod:`ray_ckpt.integrations.agreement` for
-how the ranks agree on the step they restore."""
+``RunConfig(callbacks=[...])``, ``ResumableLoader`` around the loop's ``DataLoader`` (exact mid-epoch resumption;
+plain loops too). See :mod:`ray_ckpt.integrations.train_callback` for the hooks used,
+:mod:`ray_ckpt.integrations.train_session` for the worker side, :mod:`ray_ckpt.integrations.agreement` for how the
+ranks agree on the step they restore and :mod:`ray_ckpt.integrations.loader` for the loader."""
 from ray_ckpt.integrations.agreement import RestoreError, agreed_restore
+from ray_ckpt.integrations.loader import ResumableLoader
 from ray_ckpt.integrations.train_callback import RayCkptCallback, flush_run
 from ray_ckpt.integrations.train_session import TrainSession, attach, read_pointer
 
-__all__ = ["RayCkptCallback", "RestoreError", "TrainSession", "agreed_restore", "attach", "flush_run",
-           "read_pointer"]
+__all__ = ["RayCkptCallback", "RestoreError", "ResumableLoader", "TrainSession", "agreed_restore", "attach",
+           "flush_run", "read_pointer"]
