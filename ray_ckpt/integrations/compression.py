@@ -292,15 +292,21 @@ class _Exchanges:
 
     def fail(self, error: BaseException, backward_pass: int, params: list[torch.Tensor]) -> None:
         """A bucket's exchange failed: mark every parameter this backward pass exchanged so far failed in
-        :mod:`ray_ckpt.engine.grad_support` (later buckets of the pass mark theirs in :meth:`settle`)."""
+        :mod:`ray_ckpt.engine.grad_support` (later buckets of the pass mark theirs in :meth:`settle`). The first
+        failure of a pass is the one kept and raised by the capture."""
         with self.lock:
-            self.failure, self._failed_pass = error, backward_pass
-            support.withdraw(self._params if backward_pass == self._pass else params, error)
+            if self._failed_pass != backward_pass:
+                self.failure, self._failed_pass = error, backward_pass
+            support.withdraw(self._params if backward_pass == self._pass else params, self.failure)
 
     def settle(self, backward_pass: int, params: list[torch.Tensor], publish=None) -> None:
         """A bucket's exchange checked out: ``publish()`` its support (or withdraw any stale entry), unless an
-        exchange of the same backward pass failed: then its parameters are marked failed too."""
+        exchange of the same backward pass failed: then its parameters are marked failed too. A callback that
+        completes after the next backward pass began (only after a failure made ``backward()`` return early)
+        leaves the support alone."""
         with self.lock:
+            if backward_pass != self._pass:
+                return
             if self._failed_pass == backward_pass:
                 support.withdraw(params, self.failure)
             elif publish is not None:
