@@ -180,7 +180,7 @@ def _corrupting_gather(original, rank: int, fault: str, sent: dict):
         elif rank == 1 and hit and fault == "index":  # a valid-looking payload (checksum redone) with a bad index
             payload = payload.clone()
             payload[-4:].view(torch.int32)[0] = -7
-            torch.sum(payload[hooks._HEADER_BYTES :].view(torch.int32), dim=0, keepdim=True,
+            torch.sum(payload[hooks._HEADER_BYTES :].view(torch.int64), dim=0, keepdim=True,
                       out=payload[: hooks._HEADER_BYTES].view(torch.int64)[7:])
         sent[bucket] = payload.clone()
         out, fut = original(payload, world, group)

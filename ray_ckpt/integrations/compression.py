@@ -323,32 +323,39 @@ def _header_rows(world: int, backward_pass: int, bucket_index: int, n: int, body
 
 def _seal(payload: torch.Tensor, expected: torch.Tensor, rank: int) -> None:
     """Write this rank's header into the first ``_HEADER_BYTES`` of ``payload``: its row of ``expected`` and the
-    checksum of the body (the sum of its int32 words, exact in int64). Autograd thread."""
+    checksum of the body (the sum of its int64 words, wrapping: exact modulo 2**64 in any order, and any single
+    flipped bit changes it). Autograd thread."""
     words = payload[:_HEADER_BYTES].view(torch.int64)
     words[:7].copy_(expected[rank])
-    torch.sum(payload[_HEADER_BYTES:].view(torch.int32), dim=0, keepdim=True, out=words[7:])
+    torch.sum(payload[_HEADER_BYTES:].view(torch.int64), dim=0, keepdim=True, out=words[7:])
 
 
 def _check(gathered: torch.Tensor, expected: torch.Tensor, rank: int, backward_pass: int, bucket_index: int,
-           index_bounds: torch.Tensor | None = None, n: int = 0) -> None:
+           indices: torch.Tensor | None = None, n: int = 0) -> None:
     """Raise :class:`CompressionExchangeError` unless every rank's gathered payload checks out: its header is
-    the expected one and its body matches its checksum; ``index_bounds`` (``(world, 2)``: each rank's smallest
-    and largest top-k index) must lie in ``[0, n]``. One pass over the gathered bytes and one host sync;
-    process-group thread (the hook's callback)."""
+    the expected one and its body matches its checksum; the top-k ``indices`` (contiguous, int64, ``world * kp``
+    of them, rank by rank) must lie in ``[0, n]`` (``n`` pads). One pass over the gathered bytes, one over the
+    indices, one host sync; the cause is worked out only on failure. Process-group thread (the hook's
+    callback)."""
     world = gathered.shape[0]
     headers = gathered[:, :_HEADER_BYTES].view(torch.int64)
-    sums = gathered[:, _HEADER_BYTES:].view(torch.int32).sum(dim=1, dtype=torch.int64)
-    parts = [headers, sums.unsqueeze(1)]
-    if index_bounds is not None:
-        parts.append(index_bounds.to(torch.int64))
-    seen = torch.cat(parts, dim=1).cpu()  # (world, 9 or 11)
-    ok = torch.equal(seen[:, :7], expected) and torch.equal(seen[:, 7], seen[:, 8])
-    if ok and index_bounds is not None:
-        ok = bool(seen[:, 9].min() >= 0) and bool(seen[:, 10].max() <= n)
+    parts = [headers.reshape(-1), gathered[:, _HEADER_BYTES:].view(torch.int64).sum(dim=1)]
+    if indices is not None:
+        parts.append(torch.stack(torch.aminmax(indices)))
+    seen = torch.cat(parts).cpu()  # the host sync
+    words = seen[: world * _HEADER_WORDS].view(world, _HEADER_WORDS)
+    ok = torch.equal(words[:, :7], expected) and torch.equal(words[:, 7], seen[world * _HEADER_WORDS :][:world])
+    if ok and indices is not None:
+        ok = 0 <= int(seen[-2]) and int(seen[-1]) <= n
     if ok:
         return
+    rows = torch.cat([words, seen[world * _HEADER_WORDS :][:world].unsqueeze(1)], dim=1)
+    if indices is not None:
+        per_rank = indices.view(world, -1)
+        rows = torch.cat([rows, per_rank.amin(dim=1).cpu().unsqueeze(1), per_rank.amax(dim=1).cpu().unsqueeze(1)],
+                         dim=1)
     problems, peers = [], []
-    for r, row in enumerate(seen.tolist()):
+    for r, row in enumerate(rows.tolist()):
         want = expected[r].tolist()
         if row[0] != _MAGIC:
             problem = f"no valid header in rank {r}'s payload (a short, shifted or foreign payload)"
@@ -359,7 +366,7 @@ def _check(gathered: torch.Tensor, expected: torch.Tensor, rank: int, backward_p
                 problem += " (a stale payload, or ranks out of step)"
         elif row[7] != row[8]:
             problem = f"rank {r}'s payload fails its checksum (corrupted)"
-        elif index_bounds is not None and not (row[9] >= 0 and row[10] <= n):
+        elif indices is not None and not (row[9] >= 0 and row[10] <= n):
             problem = f"rank {r}'s payload holds indices in [{row[9]}, {row[10]}], outside [0, {n}]"
         else:
             continue
@@ -723,20 +730,18 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     def aggregate(done: torch.futures.Future) -> torch.Tensor:
         try:
             _received(done, rank, world, backward_pass, index)
-            rank_indices = gathered[:, _HEADER_BYTES + value_bytes :].view(index_dtype)  # (world, kp)
-            _check(gathered, expected, rank, backward_pass, index,
-                   index_bounds=torch.stack(torch.aminmax(rank_indices, dim=1), dim=1), n=n)
-            selected = combine(rank_indices)
+            all_indices = gathered[:, _HEADER_BYTES + value_bytes :].view(index_dtype).reshape(-1).to(torch.int64)
+            _check(gathered, expected, rank, backward_pass, index, all_indices, n)
+            selected = combine(all_indices)
         except BaseException as error:
             exchanges.fail(error, backward_pass, params)
             raise
         exchanges.settle(backward_pass, params, functools.partial(_publish, layout, selected))
         return buffer
 
-    def combine(rank_indices: torch.Tensor) -> torch.Tensor:
+    def combine(all_indices: torch.Tensor) -> torch.Tensor:
         """Aggregate the checked payloads into ``flat``; the kept (sorted) flat bucket indices."""
         all_values = gathered[:, _HEADER_BYTES : _HEADER_BYTES + value_bytes].view(flat.dtype)  # (world, kp)
-        all_indices = rank_indices.reshape(-1).to(torch.int64)
         union, inverse = torch.unique(all_indices, sorted=True, return_inverse=True)
         sums = torch.zeros(union.numel(), dtype=acc_dtype, device=device)
         for r in range(world):  # rank order: the same float additions on every rank
