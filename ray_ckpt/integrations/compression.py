@@ -338,18 +338,19 @@ def _check(gathered: torch.Tensor, expected: torch.Tensor, rank: int, backward_p
     indices, one host sync; the cause is worked out only on failure. Process-group thread (the hook's
     callback)."""
     world = gathered.shape[0]
-    headers = gathered[:, :_HEADER_BYTES].view(torch.int64)
-    parts = [headers.reshape(-1), gathered[:, _HEADER_BYTES:].view(torch.int64).sum(dim=1)]
-    if indices is not None:
-        parts.append(torch.stack(torch.aminmax(indices)))
-    seen = torch.cat(parts).cpu()  # the host sync
-    words = seen[: world * _HEADER_WORDS].view(world, _HEADER_WORDS)
-    ok = torch.equal(words[:, :7], expected) and torch.equal(words[:, 7], seen[world * _HEADER_WORDS :][:world])
-    if ok and indices is not None:
-        ok = 0 <= int(seen[-2]) and int(seen[-1]) <= n
+    words = gathered[:, :_HEADER_BYTES].view(torch.int64)
+    sums = gathered[:, _HEADER_BYTES:].view(torch.int64).sum(dim=1)
+    bounds = None if indices is None else torch.aminmax(indices)
+    if gathered.device.type != "cpu":  # one host sync
+        seen = torch.cat([words.reshape(-1), sums] + ([] if bounds is None else [torch.stack(bounds)])).cpu()
+        words, sums = seen[: world * _HEADER_WORDS].view(world, _HEADER_WORDS), seen[world * _HEADER_WORDS:][:world]
+        bounds = None if bounds is None else (seen[-2], seen[-1])
+    ok = torch.equal(words[:, :7], expected) and torch.equal(words[:, 7], sums)
+    if ok and bounds is not None:
+        ok = 0 <= int(bounds[0]) and int(bounds[1]) <= n
     if ok:
         return
-    rows = torch.cat([words, seen[world * _HEADER_WORDS :][:world].unsqueeze(1)], dim=1)
+    rows = torch.cat([words.cpu(), sums.cpu().unsqueeze(1)], dim=1)
     if indices is not None:
         per_rank = indices.view(world, -1)
         rows = torch.cat([rows, per_rank.amin(dim=1).cpu().unsqueeze(1), per_rank.amax(dim=1).cpu().unsqueeze(1)],
