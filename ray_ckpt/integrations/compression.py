@@ -30,6 +30,19 @@ order (sum rank by rank in rank order, ties broken by position, no atomics whose
 is bitwise identical on all ranks: what LowDiff's bit-exact replay needs. It is deterministic for a given device
 type and torch build; a CPU and a CUDA run are not expected to agree bitwise.
 
+A broken exchange. Each rank's payload starts with a 64-byte header (magic, sender rank, world size, the
+state's backward-pass count, bucket index, bucket size, payload size, and a checksum of the rest: the wrapping
+sum of its int64 words). The callback first takes the all_gather's own outcome (``Future.then`` runs it even when
+the collective failed, e.g. a peer gone or a timeout, and the output buffer was then never written), then checks
+every rank's header and checksum and, for top-k, that every index lies in the bucket: one pass over the gathered
+bytes, no extra collective. On any failure it raises :class:`CompressionExchangeError` before writing the bucket
+or publishing anything, and marks every parameter of that backward pass failed in
+:mod:`ray_ckpt.engine.grad_support`, so ``backward()`` raises and a LowDiff capture refuses the step even when
+the loop steps anyway. A payload corrupted at its sender is seen by every rank at that step; one corrupted as a
+single rank receives it only by that rank, whose peers then fail at their next exchange (their own step was
+computed from intact payloads). The hook state is not rolled back (error-feedback residuals already gave up what
+was sent): restore from the last checkpoint.
+
 Performance. :func:`select_topk` avoids ``torch.topk`` over a large parameter (it takes a slow partial-sort path
 on CPU at k = 1% of a multi-million-element tensor): the k-th largest magnitude is estimated from a fixed random
 sample and the (few) elements above it are trimmed to exactly k. The hooks loop over the parameters of a bucket
@@ -685,9 +698,10 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
     On every rank, for each parameter ``p`` of the bucket (its segment of the bucket buffer): select the local
     top-``k_p`` of ``|gradient (+ residual)|`` with ``k_p = topk_count(numel_p, ratio)`` (:func:`select_topk`);
-    all-gather the bucket's ``(indices, values)``, padded to ``sum k_p`` (one uint8 all_gather); sum rank by rank
-    in rank order into the union of the gathered indices; keep, per parameter, the top-``k_p`` of that sum (ties
-    by position); divide by the world size and write it densely (zeros elsewhere) into the bucket buffer, which
+    all-gather the bucket's ``(indices, values)``, padded to ``sum k_p``, behind a checked header (one uint8
+    all_gather; a broken exchange raises :class:`CompressionExchangeError`, see the module docstring); sum rank
+    by rank in rank order into the union of the gathered indices; keep, per parameter, the top-``k_p`` of that
+    sum (ties by position); divide by the world size and write it densely (zeros elsewhere) into the bucket buffer, which
     is the future's value. Then publish, for each parameter, the sorted int64 flat indices of its kept elements
     to :mod:`ray_ckpt.engine.grad_support`. Each parameter's aggregated gradient has at most ``k_p`` non-zeros; each
     is the mean over all ranks of the values of the ranks that selected that position (the others count as
@@ -797,7 +811,8 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
 
     Per rank and parameter ``p`` (its segment ``x_p`` of the bucket): ``scale_p = max|x_p| / 127`` (1 when
     ``x_p`` is all zeros), ``q = round(x_p / scale_p)`` clamped to [-127, 127] as int8; one all_gather of the
-    bucket's ``(q, scales)``; every rank dequantizes and sums in rank order (in float32 for half-precision
+    bucket's ``(q, scales)`` behind a checked header (a broken exchange raises :class:`CompressionExchangeError`);
+    every rank dequantizes and sums in rank order (in float32 for half-precision
     buckets), then divides by the world size. Dense: publishes no support. Error per element of ``p`` is at most
     ``max|x_p,r| / 254`` per rank before averaging. One scale per parameter, never per bucket, so the result
     does not depend on how DDP laid the parameters out in buckets.
