@@ -329,7 +329,8 @@ class _Exchanges:
 
 
 def _header_rows(world: int, backward_pass: int, bucket_index: int, n: int, body_bytes: int) -> torch.Tensor:
-    """The header fields (all but the checksum) expected from each rank, as a CPU ``(world, 7)`` int64 tensor."""
+    """The header fields (all but the checksum) expected from each rank, as a CPU ``(world, 7)`` int64 tensor.
+    Autograd thread (the hook)."""
     return torch.tensor([[_MAGIC, r, world, backward_pass, bucket_index, n, body_bytes] for r in range(world)],
                         dtype=torch.int64)
 
