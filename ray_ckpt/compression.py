@@ -6,6 +6,7 @@ See :mod:`ray_ckpt.integrations.compression` for the call order and the determin
 """
 from ray_ckpt.integrations.compression import (
     DEFAULT_SAMPLE_SIZE,
+    CompressionExchangeError,
     Int8State,
     ResidualState,
     TopKState,
@@ -17,6 +18,7 @@ from ray_ckpt.integrations.compression import (
 
 __all__ = [
     "DEFAULT_SAMPLE_SIZE",
+    "CompressionExchangeError",
     "Int8State",
     "ResidualState",
     "TopKState",

@@ -30,6 +30,19 @@ order (sum rank by rank in rank order, ties broken by position, no atomics whose
 is bitwise identical on all ranks: what LowDiff's bit-exact replay needs. It is deterministic for a given device
 type and torch build; a CPU and a CUDA run are not expected to agree bitwise.
 
+A broken exchange. Each rank's payload starts with a 64-byte header (magic, sender rank, world size, the
+state's backward-pass count, bucket index, bucket size, payload size, and a checksum of the rest: the wrapping
+sum of its int64 words). The callback first takes the all_gather's own outcome (``Future.then`` runs it even when
+the collective failed, e.g. a peer gone or a timeout, and the output buffer was then never written), then checks
+every rank's header and checksum and, for top-k, that every index lies in the bucket: one pass over the gathered
+bytes, no extra collective. On any failure it raises :class:`CompressionExchangeError` before writing the bucket
+or publishing anything, and marks every parameter of that backward pass failed in
+:mod:`ray_ckpt.engine.grad_support`, so ``backward()`` raises and a LowDiff capture refuses the step even when
+the loop steps anyway. A payload corrupted at its sender is seen by every rank at that step; one corrupted as a
+single rank receives it only by that rank, whose peers then fail at their next exchange (their own step was
+computed from intact payloads). The hook state is not rolled back (error-feedback residuals already gave up what
+was sent): restore from the last checkpoint.
+
 Performance. :func:`select_topk` avoids ``torch.topk`` over a large parameter (it takes a slow partial-sort path
 on CPU at k = 1% of a multi-million-element tensor): the k-th largest magnitude is estimated from a fixed random
 sample and the (few) elements above it are trimmed to exactly k. The hooks loop over the parameters of a bucket
@@ -52,6 +65,7 @@ from ray_ckpt.engine import grad_support as support
 
 __all__ = [
     "DEFAULT_SAMPLE_SIZE",
+    "CompressionExchangeError",
     "Int8State",
     "ResidualState",
     "TopKState",
@@ -228,6 +242,169 @@ def _gather_bytes(payload: torch.Tensor, world: int, process_group) -> tuple[tor
     return out.view(world, payload.numel()), work.get_future()
 
 
+class CompressionExchangeError(RuntimeError):
+    """A compression hook's exchange failed (the process group's error: a peer gone, a timeout) or delivered a
+    payload that does not check out (short or shifted, stale, out of step, corrupted, an index out of range).
+
+    Raised in the callback of the hook's future (a process-group thread), on every rank that sees the failure,
+    before anything of the bucket is aggregated, written or published: DDP re-raises it from ``backward()`` as a
+    ``RuntimeError`` whose message carries this one (the exception type does not cross torch's futures), so the
+    optimizer step of that backward pass does not run. The hook's state keeps it (``state.failure``), and a
+    LowDiff capture raises it from ``optimizer.step()`` if the loop catches the error and steps anyway.
+
+    Attributes: ``rank`` and ``world`` (this rank and the group's size), ``backward_pass`` (the hook state's
+    count of backward passes, from 0), ``bucket`` (DDP's bucket index), ``peers`` (the ranks whose payload was
+    at fault; empty when the process group itself failed) and ``reason``.
+    """
+
+    def __init__(self, reason: str, *, rank: int, world: int, backward_pass: int, bucket: int,
+                 peers: tuple[int, ...] = ()) -> None:
+        self.reason, self.rank, self.world = reason, rank, world
+        self.backward_pass, self.bucket, self.peers = backward_pass, bucket, tuple(peers)
+        super().__init__(
+            f"gradient exchange of backward pass {backward_pass} (bucket {bucket}) failed on rank {rank} of "
+            f"{world}: {reason}. No gradient of this backward pass was applied; restore from the last checkpoint")
+
+
+_MAGIC = 0x52434B5047524431  # b"RCKPGRD1"
+_HEADER_WORDS = 8  # int64: magic, sender rank, world, backward pass, bucket index, bucket numel, body bytes, checksum
+_HEADER_BYTES = 8 * _HEADER_WORDS
+_HEADER_FIELDS = ("magic", "sender rank", "world size", "backward pass", "bucket index", "bucket size",
+                  "payload size")
+
+
+class _Exchanges:
+    """One hook state's exchange bookkeeping: the backward-pass count each header carries, the parameters that
+    the current pass exchanged so far, and the latest failure. Autograd thread (:meth:`begin`) and process-group
+    threads (the rest).
+
+    The count restarts when the state is used with another process group (or rank, or world size): every rank
+    of a group counts the same passes when each created its state before the group's first backward pass.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.failure: BaseException | None = None
+        self._failed_pass: int | None = None
+        self._group_key: tuple | None = None
+        self._pass = -1
+        self._params: list[torch.Tensor] = []
+
+    def begin(self, group, world: int, rank: int, bucket_index: int, params: list[torch.Tensor]) -> int:
+        """A bucket's exchange starts (DDP calls the hooks of a backward pass in bucket order, from 0): its
+        backward pass."""
+        key = (id(dist.group.WORLD if group is None else group), world, rank)
+        with self.lock:
+            if key != self._group_key:
+                self._group_key, self._pass, self._params, self._failed_pass = key, -1, [], None
+            if bucket_index == 0:
+                self._pass += 1
+                self._params = []
+            self._params.extend(params)
+            return self._pass
+
+    def fail(self, error: BaseException, backward_pass: int, params: list[torch.Tensor]) -> None:
+        """A bucket's exchange failed: mark every parameter this backward pass exchanged so far failed in
+        :mod:`ray_ckpt.engine.grad_support` (later buckets of the pass mark theirs in :meth:`settle`). The first
+        failure of a pass is the one kept and raised by the capture."""
+        with self.lock:
+            if self._failed_pass != backward_pass:
+                self.failure, self._failed_pass = error, backward_pass
+            support.withdraw(self._params if backward_pass == self._pass else params, self.failure)
+
+    def settle(self, backward_pass: int, params: list[torch.Tensor], publish=None) -> None:
+        """A bucket's exchange checked out: ``publish()`` its support (or withdraw any stale entry), unless an
+        exchange of the same backward pass failed: then its parameters are marked failed too. A callback that
+        completes after the next backward pass began (only after a failure made ``backward()`` return early)
+        leaves the support alone."""
+        with self.lock:
+            if backward_pass != self._pass:
+                return
+            if self._failed_pass == backward_pass:
+                support.withdraw(params, self.failure)
+            elif publish is not None:
+                publish()
+            else:
+                support.withdraw(params)
+
+
+def _header_rows(world: int, backward_pass: int, bucket_index: int, n: int, body_bytes: int) -> torch.Tensor:
+    """The header fields (all but the checksum) expected from each rank, as a CPU ``(world, 7)`` int64 tensor.
+    Autograd thread (the hook)."""
+    return torch.tensor([[_MAGIC, r, world, backward_pass, bucket_index, n, body_bytes] for r in range(world)],
+                        dtype=torch.int64)
+
+
+def _seal(payload: torch.Tensor, expected: torch.Tensor, rank: int) -> None:
+    """Write this rank's header into the first ``_HEADER_BYTES`` of ``payload``: its row of ``expected`` and the
+    checksum of the body (the sum of its int64 words, wrapping: exact modulo 2**64 in any order, and any single
+    flipped bit changes it). Autograd thread."""
+    words = payload[:_HEADER_BYTES].view(torch.int64)
+    words[:7].copy_(expected[rank])
+    torch.sum(payload[_HEADER_BYTES:].view(torch.int64), dim=0, keepdim=True, out=words[7:])
+
+
+def _check(gathered: torch.Tensor, expected: torch.Tensor, rank: int, backward_pass: int, bucket_index: int,
+           indices: torch.Tensor | None = None, n: int = 0) -> None:
+    """Raise :class:`CompressionExchangeError` unless every rank's gathered payload checks out: its header is
+    the expected one and its body matches its checksum; the top-k ``indices`` (contiguous, int64, ``world * kp``
+    of them, rank by rank) must lie in ``[0, n]`` (``n`` pads). One pass over the gathered bytes, one over the
+    indices, one host sync; the cause is worked out only on failure. Process-group thread (the hook's
+    callback)."""
+    world = gathered.shape[0]
+    words = gathered[:, :_HEADER_BYTES].view(torch.int64)
+    sums = gathered[:, _HEADER_BYTES:].view(torch.int64).sum(dim=1)
+    bounds = None if indices is None else torch.aminmax(indices)
+    if gathered.device.type != "cpu":  # one host sync
+        seen = torch.cat([words.reshape(-1), sums] + ([] if bounds is None else [torch.stack(bounds)])).cpu()
+        words, sums = seen[: world * _HEADER_WORDS].view(world, _HEADER_WORDS), seen[world * _HEADER_WORDS:][:world]
+        bounds = None if bounds is None else (seen[-2], seen[-1])
+    ok = torch.equal(words[:, :7], expected) and torch.equal(words[:, 7], sums)
+    if ok and bounds is not None:
+        ok = 0 <= int(bounds[0]) and int(bounds[1]) <= n
+    if ok:
+        return
+    rows = torch.cat([words.cpu(), sums.cpu().unsqueeze(1)], dim=1)
+    if indices is not None:
+        per_rank = indices.view(world, -1)
+        rows = torch.cat([rows, per_rank.amin(dim=1).cpu().unsqueeze(1), per_rank.amax(dim=1).cpu().unsqueeze(1)],
+                         dim=1)
+    problems, peers = [], []
+    for r, row in enumerate(rows.tolist()):
+        want = expected[r].tolist()
+        if row[0] != _MAGIC:
+            problem = f"no valid header in rank {r}'s payload (a short, shifted or foreign payload)"
+        elif row[1:7] != want[1:7]:
+            field = next(i for i in range(1, 7) if row[i] != want[i])
+            problem = f"rank {r}'s payload has {_HEADER_FIELDS[field]} {row[field]}, expected {want[field]}"
+            if field == 3:
+                problem += " (a stale payload, or ranks out of step)"
+        elif row[7] != row[8]:
+            problem = f"rank {r}'s payload fails its checksum (corrupted)"
+        elif indices is not None and not (row[9] >= 0 and row[10] <= n):
+            problem = f"rank {r}'s payload holds indices in [{row[9]}, {row[10]}], outside [0, {n}]"
+        else:
+            continue
+        problems.append(problem)
+        peers.append(r)
+    raise CompressionExchangeError("; ".join(problems), rank=rank, world=world, backward_pass=backward_pass,
+                                   bucket=bucket_index, peers=tuple(peers))
+
+
+def _received(fut: torch.futures.Future, rank: int, world: int, backward_pass: int, bucket_index: int) -> None:
+    """Raise :class:`CompressionExchangeError` when the exchange's future holds the process group's error.
+
+    ``Future.then`` runs its callback whether or not the future failed; without this, the callback would read
+    an output buffer the collective never wrote. Process-group thread (the hook's callback)."""
+    try:
+        fut.value()
+    except Exception as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CompressionExchangeError(f"the process group's all_gather failed (a peer gone or timed out?): "
+                                       f"{detail}", rank=rank, world=world, backward_pass=backward_pass,
+                                       bucket=bucket_index) from e
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulate half-precision buckets in float32 (the sum of ranks may overflow float16)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -286,7 +463,7 @@ def _publish(layout, selected: torch.Tensor) -> None:
         if publishable:
             support.publish(param, selected[lo:hi] - offset)
         else:
-            support.take(param)  # drop any stale entry: the capture falls back to the dense gradient
+            support.withdraw([param])  # drop any stale entry: the capture falls back to the dense gradient
 
 
 class _Scratch:
@@ -375,6 +552,12 @@ class TopKState:
         # independent of the bucket layout
         self._residuals: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._scratch = _Scratch()  # CPU only: |acc| of the selection and its candidate mask, per bucket
+        self._exchanges = _Exchanges()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The latest failed exchange of this state (a :class:`CompressionExchangeError`), or ``None``."""
+        return self._exchanges.failure
 
     def k_for(self, numel: int) -> int:
         """Elements kept for a parameter of ``numel`` elements (``topk_count``; 0 for an empty parameter)."""
@@ -493,14 +676,15 @@ def _select_local(state: TopKState, flat: torch.Tensor, layout, ks: list[int], r
 
 def _pack(local_indices: list[torch.Tensor], local_values: list[torch.Tensor], kp: int, index_dtype: torch.dtype,
           flat: torch.Tensor) -> torch.Tensor:
-    """This rank's all_gather payload: ``[values (kp) | indices (kp)]`` as bytes, padded with (index
-    ``flat.numel()``, value 0): the padding index lies in no parameter. Autograd thread."""
+    """This rank's all_gather payload: ``[header | values (kp) | indices (kp)]`` as bytes, the header left to
+    :func:`_seal`; padded with (index ``flat.numel()``, value 0): the padding index lies in no parameter.
+    Autograd thread."""
     n = flat.numel()
     value_bytes = kp * flat.element_size()
-    payload = torch.empty(value_bytes + kp * (4 if index_dtype == torch.int32 else 8), dtype=torch.uint8,
-                          device=flat.device)
-    payload_values = payload[:value_bytes].view(flat.dtype)
-    payload_indices = payload[value_bytes:].view(index_dtype)
+    payload = torch.empty(_HEADER_BYTES + value_bytes + kp * (4 if index_dtype == torch.int32 else 8),
+                          dtype=torch.uint8, device=flat.device)
+    payload_values = payload[_HEADER_BYTES : _HEADER_BYTES + value_bytes].view(flat.dtype)
+    payload_indices = payload[_HEADER_BYTES + value_bytes :].view(index_dtype)
     m = sum(chosen.numel() for chosen in local_indices)
     if m:
         torch.cat(local_values, out=payload_values[:m])
@@ -515,9 +699,10 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
     On every rank, for each parameter ``p`` of the bucket (its segment of the bucket buffer): select the local
     top-``k_p`` of ``|gradient (+ residual)|`` with ``k_p = topk_count(numel_p, ratio)`` (:func:`select_topk`);
-    all-gather the bucket's ``(indices, values)``, padded to ``sum k_p`` (one uint8 all_gather); sum rank by rank
-    in rank order into the union of the gathered indices; keep, per parameter, the top-``k_p`` of that sum (ties
-    by position); divide by the world size and write it densely (zeros elsewhere) into the bucket buffer, which
+    all-gather the bucket's ``(indices, values)``, padded to ``sum k_p``, behind a checked header (one uint8
+    all_gather; a broken exchange raises :class:`CompressionExchangeError`, see the module docstring); sum rank
+    by rank in rank order into the union of the gathered indices; keep, per parameter, the top-``k_p`` of that
+    sum (ties by position); divide by the world size and write it densely (zeros elsewhere) into the bucket buffer, which
     is the future's value. Then publish, for each parameter, the sorted int64 flat indices of its kept elements
     to :mod:`ray_ckpt.engine.grad_support`. Each parameter's aggregated gradient has at most ``k_p`` non-zeros; each
     is the mean over all ranks of the values of the ranks that selected that position (the others count as
@@ -532,6 +717,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     device = flat.device
     index = bucket.index()
     layout = _bucket_layout(bucket, buffer)
+    params = [param for param, _, _, _ in layout]
+    backward_pass = state._exchanges.begin(group, world, rank, index, params)
     ks = [state.k_for(numel) for _, _, numel, _ in layout]
     if bucket.is_last():
         state._scratch.forget_after(index)
@@ -547,15 +734,30 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     index_dtype = torch.int32 if n < 2**31 - 1 else torch.int64
     value_bytes = kp * flat.element_size()
     payload = _pack(local_indices, local_values, kp, index_dtype, flat)
+    expected = _header_rows(world, backward_pass, index, n, payload.numel() - _HEADER_BYTES)
+    _seal(payload, expected, rank)
     gathered, fut = _gather_bytes(payload, world, group)
     acc_dtype = _acc_dtype(flat.dtype)
     union_seed = state.seed
     bounds = torch.tensor([[off for _, off, _, _ in layout], [off + num for _, off, num, _ in layout]],
                           dtype=torch.int64, device=device)
+    exchanges = state._exchanges
 
-    def aggregate(_: torch.futures.Future) -> torch.Tensor:
-        all_values = gathered[:, :value_bytes].view(flat.dtype)  # (world, kp)
-        all_indices = gathered[:, value_bytes:].view(index_dtype).reshape(-1).to(torch.int64)
+    def aggregate(done: torch.futures.Future) -> torch.Tensor:
+        try:
+            _received(done, rank, world, backward_pass, index)
+            all_indices = gathered[:, _HEADER_BYTES + value_bytes :].view(index_dtype).reshape(-1).to(torch.int64)
+            _check(gathered, expected, rank, backward_pass, index, all_indices, n)
+            selected = combine(all_indices)
+        except BaseException as error:
+            exchanges.fail(error, backward_pass, params)
+            raise
+        exchanges.settle(backward_pass, params, functools.partial(_publish, layout, selected))
+        return buffer
+
+    def combine(all_indices: torch.Tensor) -> torch.Tensor:
+        """Aggregate the checked payloads into ``flat``; the kept (sorted) flat bucket indices."""
+        all_values = gathered[:, _HEADER_BYTES : _HEADER_BYTES + value_bytes].view(flat.dtype)  # (world, kp)
         union, inverse = torch.unique(all_indices, sorted=True, return_inverse=True)
         sums = torch.zeros(union.numel(), dtype=acc_dtype, device=device)
         for r in range(world):  # rank order: the same float additions on every rank
@@ -577,8 +779,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         selected = union.index_select(0, kept)  # sorted: union is sorted and kept is increasing
         flat.zero_()
         flat.index_copy_(0, selected, (sums.index_select(0, kept) / world).to(flat.dtype))
-        _publish(layout, selected)
-        return buffer
+        return selected
 
     return fut.then(aggregate)
 
@@ -598,6 +799,12 @@ class Int8State:
     def __init__(self, process_group=None) -> None:
         self.process_group = process_group
         self._scratch = _Scratch()  # CPU only: one float32 buffer per bucket
+        self._exchanges = _Exchanges()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The latest failed exchange of this state (a :class:`CompressionExchangeError`), or ``None``."""
+        return self._exchanges.failure
 
 
 def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -605,19 +812,22 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
 
     Per rank and parameter ``p`` (its segment ``x_p`` of the bucket): ``scale_p = max|x_p| / 127`` (1 when
     ``x_p`` is all zeros), ``q = round(x_p / scale_p)`` clamped to [-127, 127] as int8; one all_gather of the
-    bucket's ``(q, scales)``; every rank dequantizes and sums in rank order (in float32 for half-precision
+    bucket's ``(q, scales)`` behind a checked header (a broken exchange raises :class:`CompressionExchangeError`);
+    every rank dequantizes and sums in rank order (in float32 for half-precision
     buckets), then divides by the world size. Dense: publishes no support. Error per element of ``p`` is at most
     ``max|x_p,r| / 254`` per rank before averaging. One scale per parameter, never per bucket, so the result
     does not depend on how DDP laid the parameters out in buckets.
     """
     group = state.process_group
-    world, _ = _group_info(group)
+    world, rank = _group_info(group)
     buffer = bucket.buffer()
     flat = buffer.view(-1)
     n = flat.numel()
     device = flat.device
     index = bucket.index()
     layout = _bucket_layout(bucket, buffer)
+    params = [param for param, _, _, _ in layout]
+    backward_pass = state._exchanges.begin(group, world, rank, index, params)
     segments = [(offset, numel) for _, offset, numel, _ in layout if numel > 0]
     gaps = _gaps(layout, n)
     if bucket.is_last():
@@ -631,8 +841,10 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
 
     x = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
     q_bytes = _round_up(n, 4)  # keeps the float32 scales aligned
-    payload = torch.empty(q_bytes + 4 * len(segments), dtype=torch.uint8, device=device)
-    scales = payload[q_bytes:].view(torch.float32)
+    body_bytes = _round_up(q_bytes + 4 * len(segments), 8)  # keeps every rank's header aligned in the gather
+    payload = torch.empty(_HEADER_BYTES + body_bytes, dtype=torch.uint8, device=device)
+    body = payload[_HEADER_BYTES:]
+    scales = body[q_bytes : q_bytes + 4 * len(segments)].view(torch.float32)
     if segments:
         absmax = torch.stack([torch.linalg.vector_norm(x[off : off + num], ord=math.inf) for off, num in segments])
         scale = absmax / 127.0
@@ -643,23 +855,39 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
     for start, end in gaps:
         scaled[start:end] = 0
     scaled.round_().clamp_(-127, 127)
-    payload[:n].view(torch.int8).copy_(scaled)
-    payload[n:q_bytes] = 0
+    body[:n].view(torch.int8).copy_(scaled)
+    body[n:q_bytes] = 0
+    body[q_bytes + 4 * len(segments) :] = 0
+    expected = _header_rows(world, backward_pass, index, n, body_bytes)
+    _seal(payload, expected, rank)
     gathered, fut = _gather_bytes(payload, world, group)
+    exchanges = state._exchanges
 
-    def aggregate(_: torch.futures.Future) -> torch.Tensor:
+    def aggregate(done: torch.futures.Future) -> torch.Tensor:
+        try:
+            _received(done, rank, world, backward_pass, index)
+            _check(gathered, expected, rank, backward_pass, index)
+            combine()
+        except BaseException as error:
+            exchanges.fail(error, backward_pass, params)
+            raise
+        exchanges.settle(backward_pass, params)
+        return buffer
+
+    def combine() -> None:
+        """Dequantize and average the checked payloads into ``flat``."""
         total = flat if flat.dtype == torch.float32 else torch.empty(n, dtype=torch.float32, device=device)
         total.zero_()
         values = work()
         for r in range(world):  # rank order: the same float additions on every rank
-            values.copy_(gathered[r, :n].view(torch.int8))
-            scales_r = gathered[r, q_bytes:].view(torch.float32)
+            row = gathered[r, _HEADER_BYTES:]
+            values.copy_(row[:n].view(torch.int8))
+            scales_r = row[q_bytes : q_bytes + 4 * len(segments)].view(torch.float32)
             for p, (off, num) in enumerate(segments):
                 values[off : off + num].mul_(scales_r[p])
             total.add_(values)
         total.div_(world)
         if total is not flat:
             flat.copy_(total)
-        return buffer
 
     return fut.then(aggregate)
