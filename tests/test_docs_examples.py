@@ -214,7 +214,7 @@ def test_extraction_reads_directives_and_lines(tmp_path):
 
 def test_unmarked_ray_blocks_are_found():
     blocks = [D.Block("d.md", 1, 'ck = ray_ckpt.Checkpointer(uri, m, o, runtime="ray")', {}),
-              D.Block("d.md", 5, "import ray\nray.init()", {}),
+              D.Block("d.md", 5, "import ray\nray.init(address=\"local\")", {}),
               D.Block("d.md", 9, 'ray_ckpt.Checkpointer(uri, m, o, runtime="ray")', {"ray": True}),
               D.Block("d.md", 12, "ck = ray_ckpt.Checkpointer(uri, m, o)", {})]
     assert D.unmarked_ray_blocks(blocks) == ["d.md:1", "d.md:5"]
