@@ -25,10 +25,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 tests
 
-# the fast tier (< 3 min here): everything that needs neither Ray (marker ray) nor a process group of several
-# ranks (marker procs), without the fault trials of tests/reliability (outages, full disks, leases)
+# the fast tier (~2 min here, in two pytest-xdist workers): everything that needs neither Ray (marker ray) nor a
+# process group of several ranks (marker procs), without the fault trials of tests/reliability (outages, full
+# disks, leases)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q --durations=10 -m "not ray and not procs" --ignore=tests/reliability tests
+	$(PY) -m pytest -q -n 2 --durations=10 -m "not ray and not procs" --ignore=tests/reliability tests
 
 # the long fault trials (SIGKILLs at 20 seeded points, 20 s outages...) with the table of their outcomes, then
 # the other long tests (Ray Train SIGKILL and driver restart, the second continuation kill, the full-size fuzz)
