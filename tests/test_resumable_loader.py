@@ -178,17 +178,22 @@ def test_the_wrapper_leaves_an_uninterrupted_run_as_the_plain_loop_has_it():
         _assert_same(_final(model, opt, loader), reference)
 
 
+def _restored_without_the_helper(kind: str, stop: int, tmp_path):
+    """A run of ``kind`` stopped after ``stop`` steps, restored into a fresh model and optimizer with a plain
+    loader (no ResumableLoader): ``(model, opt, loader, restored step)``."""
+    uri = _uri(tmp_path)
+    _stopped_at(kind, stop, uri)
+    model, opt = _build(seed=99)
+    loader = _loader(kind, Rows())
+    return model, opt, loader, ray_ckpt.restore(uri, model, opt)
+
+
 def test_naive_resume_sees_the_same_batches_and_ends_elsewhere(tmp_path):
     """The DistributedSampler's order depends only on its seed and epoch: a fresh iterator with the consumed
     batches skipped by next() trains on the same batches, yet its base-seed draw shifts the dropout RNG."""
     kind, stop = "dist0", 4
     reference, total, seen_ref = _reference(kind)
-    uri = _uri(tmp_path)
-    _stopped_at(kind, stop, uri)
-
-    model, opt = _build(seed=99)
-    loader = _loader(kind, Rows())
-    step = ray_ckpt.restore(uri, model, opt)
+    model, opt, loader, step = _restored_without_the_helper(kind, stop, tmp_path)
     epoch, pos = divmod(step, len(loader))
     seen: list = []
     for e in range(epoch, EPOCHS):
@@ -211,11 +216,7 @@ def test_a_generator_less_shuffle_resumed_naively_trains_other_batches(tmp_path)
     """Without the recorded epoch-start RNG a RandomSampler's permutation is drawn from the restored step's RNG."""
     kind, stop = "shuffle", 8
     _, _, seen_ref = _reference(kind)
-    uri = _uri(tmp_path)
-    _stopped_at(kind, stop, uri)
-    model, opt = _build(seed=99)
-    loader = _loader(kind, Rows())
-    step = ray_ckpt.restore(uri, model, opt)
+    model, opt, loader, step = _restored_without_the_helper(kind, stop, tmp_path)
     epoch, pos = divmod(step, len(loader))
     it = iter(loader)
     for _ in range(pos):
