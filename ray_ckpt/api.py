@@ -315,6 +315,11 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     world size or resharded to this one. No collectives: every rank decides from storage alone — with
     ``runtime="ray"`` from storage and the shard runs' coordinators (memory tier; a shard's replica gives its
     state at the step without replay).
+
+    An unsharded ``model``/``optimizer`` (plain tensors, any device, no process group needed) restored from a
+    sharded root is consolidated: the saved shards of ``step`` (None: the newest step every saved rank holds;
+    ``fallback`` as above) are gathered into the full state, bitwise the run's, with rank 0's loop state (see
+    :func:`ray_ckpt.engine.sharded.restore_consolidated`).
     """
     t0 = time.perf_counter()
     runtime = Runtime.of(runtime)
@@ -338,6 +343,10 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
             from ray_ckpt.runtime.client import record_restore
             record_restore(storage, run, dt)
         return out
+    if _sharded.consolidates(storage):   # a sharded root into an unsharded model: gather the saved shards
+        return _restore_consolidated(storage, model, optimizer, step=step, scheduler=scheduler, scaler=scaler,
+                                     extra_state=extra_state, fallback=fallback, restore_rng=restore_rng,
+                                     runtime=runtime, run=run, t0=t0)
     chain = None
     if runtime is Runtime.RAY:
         from ray_ckpt.runtime.client import load_via_coordinator
@@ -354,6 +363,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
                      tiers["durable"])
     if chain is None:
         chain = resolve_and_load(storage, step, fallback=fallback)
+    _refuse_one_shard(chain, storage)
     out = apply_chain(chain, model, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                       restore_rng=restore_rng)
     dt = time.perf_counter() - t0
@@ -363,6 +373,35 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
         from ray_ckpt.runtime.client import record_restore
         record_restore(storage, run, dt)
     return out
+
+
+def _restore_consolidated(storage, model, optimizer, *, runtime: Runtime, run: str | None, t0: float, **kw) -> int:
+    """:func:`restore` of an unsharded model from a sharded root (see
+    :func:`ray_ckpt.engine.sharded.restore_consolidated`); with ``runtime="ray"`` through the shard runs. Calling
+    process."""
+    memory = None
+    if runtime is Runtime.RAY:
+        from ray_ckpt.runtime.client import ShardedMemoryTier
+        memory = ShardedMemoryTier(run)
+    out = _sharded.restore_consolidated(storage, model, optimizer, memory=memory, **kw)
+    dt = time.perf_counter() - t0
+    log.info("ray_ckpt: restored step %d (consolidated from sharded state) from %s in %.3f s", out,
+             storage.describe(), dt)
+    if memory is not None:
+        from ray_ckpt.runtime.client import record_restore
+        record_restore(storage, run, dt)
+    return out
+
+
+def _refuse_one_shard(chain, storage) -> None:
+    """An unsharded restore of one rank's shard lineage (``<root>/shards/w<W>/r<R>``) would load a shard as the
+    whole model: refused, saying what to open instead."""
+    sharding = _sharded.shard_of(chain.full.layout)
+    if sharding is not None:
+        raise ValueError(f"{storage.describe()} is the shard lineage of rank {sharding.get('rank')} of "
+                         f"{sharding.get('world')} (FSDP2): it holds that rank's shards only. Restore the root (the "
+                         f"URI above shards/) instead: into an unsharded model it gathers every rank's shards, into "
+                         f"FSDP2 models (every rank) it restores each rank's")
 
 
 def _from_pointer(uri, step: int | None) -> tuple[Any, int | None]:

@@ -260,3 +260,21 @@ def ray_restore_at_world(rank, world, port, uri, out, address, run):
         dist.destroy_process_group()
         import ray
         ray.shutdown()
+
+
+def train_checkpointed(rank, world, port, uri, out):
+    """Train STEPS steps with a Checkpointer on every rank and nothing else; rank 0 saves the gathered global
+    state of every step (``global.pt``: what a consolidation must reproduce) and the loop state of the run."""
+    _init(rank, world, port)
+    try:
+        model, opt, sch = fsdp_model(0)
+        with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
+                                   policy="fixed"):
+            local, glob = _train_recording(model, opt, sch, rank)
+        if rank == 0:
+            torch.save(glob, os.path.join(out, "global.pt"))
+            torch.save({s: local[s]["sched"] for s in local}, os.path.join(out, "sched.pt"))
+            torch.save({s: local[s]["opt"]["param_groups"] for s in local}, os.path.join(out, "groups.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -15,6 +15,11 @@ storage only: no cluster, no model code needed. Runs in the calling process.
                                     delete chains older than the K newest full checkpoints
     ray-ckpt lease URI [--release]  which job writes the lineage; --release frees the lease of a job that is gone
 
+The root of sharded (FSDP2) state (``shards/w<W>/r<R>/``: a lineage per rank) works with every command: ``ls``
+shows each rank's head and the step complete on every rank; ``inspect`` the plan of each rank for that step;
+``verify`` reads every rank's objects; ``export``/``restore`` gather the ranks' shards into the unsharded state;
+``gc`` collects every rank's lineage without breaking a step that is complete on every rank from its cutoff on.
+
 Long commands show progress bars on a terminal (``-q`` silences them).
 
 Storage options (S3 endpoint, credentials) are given as ``-o key=value`` (repeatable) or in the URI's query.
@@ -31,6 +36,7 @@ import time
 from ray_ckpt.engine import amber_tier
 from ray_ckpt.engine import export as _export
 from ray_ckpt.engine import gc as _gc
+from ray_ckpt.engine import sharded
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.engine.restore import read_object
 from ray_ckpt.engine.strategy import impl_by_name
@@ -76,7 +82,6 @@ def _human(n: float) -> str:
 
 def _sharded_summary(storage) -> list[dict]:
     """Per saved world size of sharded (FSDP2) state: the step complete on every rank and each rank's head."""
-    from ray_ckpt.engine import sharded
     out = []
     for world in sharded.saved_worlds(storage):
         lins = [load_lineage(sharded.shard_storage(storage, world, r), strict=False)[0] for r in range(world)]
@@ -155,6 +160,8 @@ def cmd_ls(storage, args) -> int:
 
 
 def cmd_inspect(storage, args) -> int:
+    if sharded.consolidates(storage):
+        return _inspect_sharded(storage, args)
     lineage, _ = load_lineage(storage, strict=False)
     if args.plot:
         from ray_ckpt.cli.plot import plot_lineage
@@ -195,20 +202,69 @@ def cmd_inspect(storage, args) -> int:
     return 0
 
 
+def _inspect_sharded(storage, args) -> int:
+    """``inspect`` of a sharded root: the step a restore or export gathers and what each rank's lineage reads."""
+    try:
+        world, steps = sharded.choose_world(storage, args.step, strict=False)
+    except NoCheckpointError as e:
+        print(f"ray-ckpt: {e}", file=sys.stderr)
+        return 1
+    step = steps[0]
+    ranks = []
+    for r in range(world):
+        lin, _ = load_lineage(sharded.shard_storage(storage, world, r), strict=False)
+        plan = lin.resolve(step)
+        prefix = sharded.shard_prefix(world, r)
+        ranks.append({"rank": r, "generation": plan.generation,
+                      "read": [{"object": prefix + m.object, "kind": m.kind, "steps": [m.first_step, m.last_step],
+                                "bytes": m.nbytes, "strategy": m.strategy} for m in plan.objects]})
+    nbytes = sum(o["bytes"] for r in ranks for o in r["read"])
+    out = {"step": step, "sharded": True, "world": world, "tier": "exact", "bytes": nbytes, "ranks": ranks}
+    if args.plot:
+        print(f"ray-ckpt: --plot draws one lineage: give it a rank's, e.g. "
+              f"{sharded.shard_storage(storage, world, 0).uri}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"step {step}: sharded state (FSDP2) of {world} ranks, gathered from every rank's lineage: read "
+          f"{sum(len(r['read']) for r in ranks)} objects, {_human(nbytes)} (an unsharded restore or an export "
+          f"replays each rank's chain and concatenates the shards)")
+    for r in ranks:
+        print(f"  rank {r['rank']} (generation {r['generation']}):")
+        for o in r["read"]:
+            print(f"    {o['object']}  {o['kind']} steps {o['steps'][0]}..{o['steps'][1]}  {_human(o['bytes'])}")
+    return 0
+
+
+def _lineages(storage) -> tuple[list[tuple], list[str]]:
+    """``[(storage, key prefix, lineage)]``: the root's lineage and every shard lineage below it (all saved world
+    sizes and ranks), each listed in full; and the keys of malformed manifests."""
+    lineage, bad = load_lineage(storage, strict=False, use_index=False)
+    parts = [(storage, "", lineage)]
+    for world in sharded.saved_worlds(storage):
+        for r in range(world):
+            st, prefix = sharded.shard_storage(storage, world, r), sharded.shard_prefix(world, r)
+            lin, b = load_lineage(st, strict=False, use_index=False)
+            parts.append((st, prefix, lin))
+            bad += [prefix + k for k in b]
+    return parts, bad
+
+
 def cmd_verify(storage, args) -> int:
     try:
-        lineage, bad = load_lineage(storage, strict=False, use_index=False)  # verify reads everything
+        parts, bad = _lineages(storage)   # verify reads everything, every shard lineage's too
     except ManifestError as e:
         print(f"ray-ckpt: {e}", file=sys.stderr)
         return 1
     failures = [f"{k}: malformed manifest" for k in bad]
-    total = len(lineage.manifests)
+    todo = [(st, prefix, m) for st, prefix, lin in parts for m in lin.manifests]
+    total = len(todo)
     t0 = time.perf_counter()
     nbytes = 0
     bar = _bar(args, total=total, desc="verify", unit="obj")
-    for i, m in enumerate(lineage.manifests, 1):
+    for i, (st, prefix, m) in enumerate(todo, 1):
         try:
-            data = read_object(storage, m)
+            data = read_object(st, m)
             if m.kind == "full":
                 rec_fmt.decode_full(data, m.object)
             else:
@@ -216,14 +272,14 @@ def cmd_verify(storage, args) -> int:
             nbytes += m.nbytes
             status = "ok"
         except (CorruptObjectError, StorageError, ValueError) as e:
-            failures.append(f"{m.object}: {e}")
+            failures.append(f"{prefix}{m.object}: {e}")
             status = "CORRUPT"
         if bar is not None:
             bar.update(1)
             if status != "ok":
-                bar.write(f"{status:7s} {m.object}", file=sys.stderr)
+                bar.write(f"{status:7s} {prefix}{m.object}", file=sys.stderr)
         elif not args.quiet:
-            print(f"[{i}/{total}] {status:7s} {m.object}", file=sys.stderr, flush=True)
+            print(f"[{i}/{total}] {status:7s} {prefix}{m.object}", file=sys.stderr, flush=True)
     if bar is not None:
         bar.close()
     dt = time.perf_counter() - t0
@@ -258,7 +314,7 @@ class _PhaseBars:
         bar = self.bars.get(phase)
         if bar is None:
             bar = self.bars[phase] = _bar(self.args, total=total or None, desc=phase,
-                                          unit="obj" if phase == "read" else "step")
+                                          unit={"read": "obj", "gather": "rank"}.get(phase, "step"))
         if bar is not None:
             bar.update(done - bar.n)
 
@@ -288,6 +344,12 @@ def cmd_export(storage, args) -> int:
     return 0
 
 
+def _gc_objects(res, prefix: str = "") -> list[str]:
+    return [prefix + o for o in (res.orphans + [m.object for m in res.deleted]
+                                 + [f"ranks/{r}/{m.object}" for r, ms in res.rank_deleted.items() for m in ms]
+                                 + [TIER_DIR + m.object for m in res.tier_deleted])]
+
+
 def cmd_gc(storage, args) -> int:
     bar = None
 
@@ -300,27 +362,36 @@ def cmd_gc(storage, args) -> int:
 
     try:
         res = _gc.collect(storage, args.keep_fulls, dry_run=args.dry_run, progress=progress)
+        # sharded state: every rank's lineage, no rank collecting a step its world still needs
+        shards = sharded.collect_sharded(storage, args.keep_fulls, dry_run=args.dry_run)
     except ValueError as e:
         print(f"ray-ckpt: {e}", file=sys.stderr)
         return 2
     finally:
         if bar is not None:
             bar.close()
-    objects = (res.orphans + [m.object for m in res.deleted]
-               + [f"ranks/{r}/{m.object}" for r, ms in res.rank_deleted.items() for m in ms]
-               + [TIER_DIR + m.object for m in res.tier_deleted])
+    objects = _gc_objects(res)
+    count, nbytes, kept_from = res.count, res.nbytes, res.kept_from_step
+    for world, rank, _, sres in shards:
+        objects += _gc_objects(sres, sharded.shard_prefix(world, rank))
+        count, nbytes = count + sres.count, nbytes + sres.nbytes
+        if kept_from is None or (sres.kept_from_step is not None and sres.kept_from_step < kept_from):
+            kept_from = sres.kept_from_step   # a sharded root: the oldest step a rank keeps
     if args.json:
-        print(json.dumps({"dry_run": res.dry_run, "kept_from_step": res.kept_from_step, "objects": objects,
-                          "bytes": res.nbytes}, indent=2))
+        print(json.dumps({"dry_run": res.dry_run, "kept_from_step": kept_from, "objects": objects,
+                          "bytes": nbytes}, indent=2))
         return 0
-    if res.count == 0:
+    if count == 0:
         print(f"nothing to collect: at most {args.keep_fulls} full checkpoints on the current timeline of "
-              f"{storage.describe()}, no abandoned branch")
+              f"{storage.describe()}" + (" and of every shard lineage" if shards else "") + ", no abandoned branch")
         return 0
     verb = "would delete" if res.dry_run else "deleted"
-    kept = (f"kept the {args.keep_fulls} newest fulls (steps >= {res.kept_from_step})" if res.kept_from_step
+    kept = (f"kept the {args.keep_fulls} newest fulls (steps >= {kept_from})" if kept_from
             is not None else f"at most {args.keep_fulls} fulls on the current timeline")
-    print(f"{kept}; {verb} {res.count} objects ({_human(res.nbytes)}), abandoned branches included")
+    if shards:
+        kept += (f" of every rank's lineage ({len(shards)} shard lineages; a step complete on every rank from "
+                 f"there on stays so)")
+    print(f"{kept}; {verb} {count} objects ({_human(nbytes)}), abandoned branches included")
     if res.dry_run:
         for o in objects:
             print(f"  {o}")

@@ -21,7 +21,13 @@ writes the result; :func:`load_export` reads any of the formats back into the sa
 Every format also writes ``ray_ckpt_export.json`` (source, step, generation, strategy, format). The output
 directory is written under a temporary name and renamed into place: a crash never leaves a partial export.
 
-Runs in the calling process (CLI or user code); CPU only; no Ray.
+The root of sharded (FSDP2) state exports the unsharded state: every saved rank's shards of the step gathered
+(:func:`ray_ckpt.engine.sharded.gather_sharded`; the files are those of an unsharded run, and
+``ray_ckpt_export.json`` adds ``consolidated_from_world``). One rank's shard lineage (``<root>/shards/...``) is
+refused: it is not a whole model.
+
+Runs in the calling process (CLI or user code); the output is on the CPU (a CUDA run's shards replay on a GPU
+where this process has one); no Ray.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+from ray_ckpt.engine import sharded
 from ray_ckpt.engine.loopstate import apply_loop
 from ray_ckpt.engine.optim_layout import ShadowError
 from ray_ckpt.engine.restore import replay, resolve_and_load
@@ -47,7 +54,8 @@ log = logging.getLogger("ray_ckpt")
 FORMATS = ("safetensors", "dcp", "torch")
 _REPLAY_CHUNK = 16
 
-#: ``progress(phase, done, total)``: phase is "read" (objects) or "replay" (steps)
+#: ``progress(phase, done, total)``: phase is "read" (objects), "replay" (steps) or, for sharded state, "gather"
+#: (saved ranks)
 Progress = Callable[[str, int, int], None]
 
 
@@ -68,6 +76,7 @@ class Materialized:
     param_names: list[list[str]]          #: per optimizer parameter index: its state-dict key(s)
     loop: dict                            #: scheduler / scaler / RNG / extra state / param-group values
     optimizer_class: str
+    consolidated_from: int | None = None  #: sharded state: the saved world size whose shards were gathered
 
     def fqn_optimizer(self) -> dict:
         """The optimizer state keyed by parameter name (first key of tied parameters), the layout of
@@ -81,8 +90,15 @@ class Materialized:
 def materialize(storage, step: int | None = None, *, fallback: bool = False,
                 progress: Progress | None = None) -> Materialized:
     """Resolve ``step`` (None = latest), read and verify its objects, rebuild and replay. Calling process."""
+    if sharded.consolidates(storage):   # the root of sharded (FSDP2) state: every rank's shards gathered
+        return _materialize_sharded(storage, step, fallback, progress)
     chain = _load(storage, step, fallback, progress)
     full = chain.full
+    own = sharded.shard_of(full.layout)
+    if own is not None:
+        raise ExportError(f"{storage.describe()} is the shard lineage of rank {own.get('rank')} of {own.get('world')} "
+                          f"(FSDP2), not a whole model: export the root (the URI above shards/), which gathers every "
+                          f"rank's shards into the unsharded state")
     if full.layout is None:
         raise ExportError(f"the full checkpoint of step {full.step} records no optimizer layout (it was taken by "
                           f"an older ray_ckpt, or an optimizer parameter is not a model parameter): restore it "
@@ -112,6 +128,18 @@ def materialize(storage, step: int | None = None, *, fallback: bool = False,
                         model=model.state_dict(), optimizer=sd, param_names=[list(n) for n in full.layout["param_names"]],
                         loop={k: v for k, v in loop.items() if k != "fingerprint"},
                         optimizer_class=full.layout["optimizer_class"])
+
+
+def _materialize_sharded(storage, step, fallback, progress) -> Materialized:
+    """:func:`materialize` of a sharded root: the saved shards of the step gathered
+    (:func:`ray_ckpt.engine.sharded.gather_sharded`), on the CPU."""
+    try:
+        g = sharded.gather_sharded(storage, step, fallback=fallback, progress=progress)
+    except ShadowError as e:
+        raise ExportError(str(e)) from e
+    return Materialized(step=g.step, generation=g.generation, strategy="lowdiff", model=g.model,
+                        optimizer=g.optimizer, param_names=[list(n) for n in g.layout["param_names"]], loop=g.loop,
+                        optimizer_class=g.layout["optimizer_class"], consolidated_from=g.world)
 
 
 def _load(storage, step, fallback, progress):
@@ -147,6 +175,8 @@ def export(storage, out: str | os.PathLike, *, step: int | None = None, fmt: str
         info = {"format": fmt, "files": files, "source": storage.describe(), "step": state.step,
                 "generation": state.generation, "strategy": state.strategy,
                 "optimizer_class": state.optimizer_class, "exported_at": time.time()}
+        if state.consolidated_from is not None:
+            info["consolidated_from_world"] = state.consolidated_from
         with open(os.path.join(tmp, INFO_FILE), "w") as f:
             json.dump(info, f, indent=2)
         if os.path.exists(out):

@@ -52,10 +52,16 @@ class GcResult:
 
 
 def collect(storage, keep_fulls: int, *, dry_run: bool = False,
-            progress: Callable[[int, int], None] | None = None) -> GcResult:
-    """Delete what only serves steps before the ``keep_fulls`` newest fulls (see the module docstring)."""
+            progress: Callable[[int, int], None] | None = None, keep_from: int | None = None) -> GcResult:
+    """Delete what only serves steps before the ``keep_fulls`` newest fulls (see the module docstring); with
+    ``keep_from``, also keep every step from ``keep_from`` on (the cutoff is then the newest full at or before it:
+    the shard lineages of sharded state keep what a step complete on every rank needs)."""
     lineage, _ = load_lineage(storage, strict=False, use_index=False)
     cutoff = gc_cutoff(lineage, keep_fulls)
+    k = keep_fulls
+    while cutoff is not None and keep_from is not None and cutoff.last_step > keep_from:
+        k += 1
+        cutoff = gc_cutoff(lineage, k)
     out = GcResult(cutoff.last_step if cutoff is not None else None,
                    [m for m in lineage.manifests if collectable(lineage, m, cutoff)], dry_run=dry_run)
     ranks = rank_garbage(storage, lineage, cutoff)
