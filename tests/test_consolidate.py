@@ -18,8 +18,6 @@ from ray_ckpt.engine import sharded
 from ray_ckpt.storage import open_storage
 from tests import _fsdp_worker as W, _training as T
 
-pytestmark = pytest.mark.procs
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
@@ -49,6 +47,7 @@ def _check(run, step, model, opt, sch, what):
         T.assert_same(run["sched"][step], sch.state_dict(), f"{what} scheduler")
 
 
+@pytest.mark.procs
 def test_restore_into_a_plain_model_bitwise_latest_and_older(run):
     for step in (None, 13, 6, 5):     # the latest; diffs after a full; a full; diffs of the first chain
         model, opt, sch = _plain()
@@ -61,6 +60,7 @@ def test_restore_into_a_plain_model_bitwise_latest_and_older(run):
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.procs
 def test_restore_fallback_and_what_cannot_work_is_refused(run, tmp_path):
     uri = run["uri"]
     # a step that is not complete on every rank / does not exist: NoCheckpointError saying what the root holds
@@ -96,6 +96,7 @@ def test_restore_fallback_and_what_cannot_work_is_refused(run, tmp_path):
     _check(run, expect, model, opt, sch, f"fallback step {expect}")
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
 def test_cli_export_of_a_sharded_root_loads_bitwise(run, tmp_path, fmt, capsys):
     out = tmp_path / fmt
@@ -126,6 +127,7 @@ def test_cli_export_of_a_sharded_root_loads_bitwise(run, tmp_path, fmt, capsys):
     T.assert_same(run["glob"][15]["opt"], opt.state_dict()["state"], f"{fmt} loaded optimizer")
 
 
+@pytest.mark.procs
 def test_cli_inspect_verify_restore_gc_on_a_sharded_root(run, tmp_path, capsys):
     root = tmp_path / "gc"
     shutil.copytree(run["uri"], root)
@@ -159,3 +161,35 @@ def test_cli_inspect_verify_restore_gc_on_a_sharded_root(run, tmp_path, capsys):
     assert ray_ckpt.restore(uri, model, opt, scheduler=sch, step=12) == 12
     _check(run, 12, model, opt, sch, "step 12 after gc")
     assert cli_main(["verify", uri, "-q"]) == 0
+
+
+@pytest.mark.procs
+def test_gc_never_collects_a_step_that_a_lagging_rank_still_needs(run, tmp_path, capsys):
+    """Rank 1 lags (its lineage ends at its full of step 12; rank 0 reaches 20, with a full at 18): with
+    --keep-fulls 1 rank 0 alone would keep only from 18, and step 12, the newest complete on every rank, would be
+    lost."""
+    root = tmp_path / "lag"
+    shutil.copytree(run["uri"], root)
+    st = open_storage(str(root))
+    r1 = sharded.shard_storage(st, 2, 1)
+    for key in r1.list("manifests/"):
+        if int(key.split("/")[-1].split("-")[2].split(".")[0]) > 12:    # g<gen>-<kind>-<first>[-<last>].json
+            r1.delete(key)
+    r1.delete("lineage/index.json") if r1.exists("lineage/index.json") else None
+    assert cli_main(["gc", str(root), "--keep-fulls", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["kept_from_step"] == 12 and res["objects"]
+    model, opt, sch = _plain()
+    assert ray_ckpt.restore(str(root), model, opt, scheduler=sch) == 12
+    _check(run, 12, model, opt, sch, "step 12 after gc with a lagging rank")
+
+
+def test_fsdp2_restore_of_a_root_without_shards_says_what_is_there(tmp_path):
+    """No saved world: the error says so, and that an unsharded lineage is there (restore it unsharded)."""
+    uri = str(tmp_path / "plain")
+    model, opt, _ = _plain()
+    with ray_ckpt.Checkpointer(uri, model, opt, policy="fixed"):
+        pass
+    with pytest.raises(ray_ckpt.NoCheckpointError, match="no shard lineages there; it holds an unsharded lineage"):
+        sharded.choose_world(open_storage(uri), None)
+    assert sharded.consolidates(open_storage(uri)) == []
