@@ -5,11 +5,15 @@ from each shard's replica (nothing replayed); an older step from the memory tier
 runs; all bitwise."""
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
 import ray
+import torch
 import torch.multiprocessing as mp
+
+import ray_ckpt
 
 from ray_ckpt.engine import sharded
 from ray_ckpt.runtime import naming
@@ -36,7 +40,27 @@ def test_fsdp2_shard_runs_restore_from_their_replicas(tmp_path, ray_cluster):  #
     # 2 -> 1: both saved shards come from their replicas, resharded
     mp.spawn(W.ray_restore_at_world, args=(1, T.free_port(), uri, out, ray_cluster.address, run), nprocs=1,
              join=True)
+    # consolidated in this process (no process group) into the unsharded model, through the shard runs
+    _consolidate_through_the_shard_runs(uri, out, run)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     assert naming.shard_runs(run, names) == [sharded.shard_run(run, 2, r) for r in range(2)]
     for shard in naming.shard_runs(run, names):
         shutdown_run(shard)
+
+
+def _consolidate_through_the_shard_runs(uri, out, run):
+    """The unsharded model and optimizer restored with ``runtime="ray"`` in this process: the latest step, each
+    shard through its shard run, bitwise the run's gathered state."""
+    from ray_ckpt.runtime.client import ShardedMemoryTier
+    glob = torch.load(os.path.join(out, "global.pt"), weights_only=False)
+    model = T.make_model(W.KIND, 99)
+    opt = T.make_optimizer("adamw", model)
+    assert ray_ckpt.restore(uri, model, opt, runtime="ray", run=run) == W.STEPS
+    T.assert_same(glob[W.STEPS]["model"], dict(model.state_dict()), "consolidated model (runtime='ray')")
+    T.assert_same(glob[W.STEPS]["opt"], opt.state_dict()["state"], "consolidated optimizer (runtime='ray')")
+    tier = ShardedMemoryTier(run)
+    model = T.make_model(W.KIND, 98)
+    opt = T.make_optimizer("adamw", model)
+    assert sharded.restore_consolidated(open_storage(uri), model, opt, memory=tier) == W.STEPS
+    assert tier.tiers["replica"] + tier.tiers["memory"] >= 2, tier.tiers     # each shard through its run
+    T.assert_same(glob[W.STEPS]["model"], dict(model.state_dict()), "consolidated from the replicas")
