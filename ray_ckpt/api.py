@@ -108,6 +108,9 @@ class Checkpointer:
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
         self._feed: CommitFeed | None = None
         self._att = Attachment()
+        if self.shard_spec is not None and not self.shard_spec.writes:
+            self._follow_replica(optimizer, run, start_step)   # HSDP: replica 0 of this shard writes it
+            return
         with self._att.releasing_on_error():   # a failure below leaves nothing held (lease, writer thread, hooks)
             policy = self._attach_sink(impl, run, _attach_info(optimizer, start_step, durable_amber), takeover)
             fp_every = self.config.fingerprint_every if getattr(self._sink, "replica_enabled", False) else 0
@@ -123,6 +126,17 @@ class Checkpointer:
             if self.runtime is Runtime.RAY:   # held on two nodes (durable on a one-node cluster) when attach returns
                 self._sink.wait_safe()
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.uri, self.generation, start_step)
+
+    def _follow_replica(self, optimizer, run, start_step: int) -> None:
+        """A rank whose shard replica 0 writes (HSDP, see :mod:`ray_ckpt.engine.hsdp`): no lease, no writer, no
+        capture; the step is counted. Training thread."""
+        from ray_ckpt.engine.hsdp import NoWrites, ReplicaFollower
+        self.run, self.generation = run, None
+        self._capture = self._att.hold_capture(ReplicaFollower(optimizer, start_step, self.config.full_every,
+                                                               self.config.batch_steps))
+        self._sink = self._att.hold_sink(NoWrites())
+        log.info("ray_ckpt: replica %d of shard %d (HSDP) writes nothing; replica 0 writes %s",
+                 self.shard_spec.replica, self.shard_spec.rank, self.uri)
 
     def _attach_sink(self, impl, run, info: dict, takeover: bool):
         """The lease (local), the generation and the sink of this attach, held by the attachment; returns the
@@ -250,7 +264,8 @@ def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec
     storage = open_uri(uri, storage_options)
     if shard_spec is None:
         return storage, run
-    _sharded.mark_world(storage, shard_spec)
+    if shard_spec.writes:   # HSDP: the replicas > 0 write nothing, not even the marker
+        _sharded.mark_world(storage, shard_spec)
     if runtime is Runtime.RAY:
         run = _sharded.shard_run(run, shard_spec.world, shard_spec.rank)
     return _sharded.shard_storage(storage, shard_spec.world, shard_spec.rank), run

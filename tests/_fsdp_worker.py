@@ -260,3 +260,74 @@ def ray_restore_at_world(rank, world, port, uri, out, address, run):
         dist.destroy_process_group()
         import ray
         ray.shutdown()
+
+
+# -- HSDP: a 2-D (replicate, shard) mesh ------------------------------------------------------------------------
+HSDP_STEPS = 9
+HSDP_FULL_EVERY = 5
+HSDP_CHECK = (7, HSDP_STEPS)   # the steps the HSDP restores compare (a full at 5, diffs after it)
+
+
+def hsdp_model(seed: int, shape: tuple[int, int]):
+    """TinyGPT under HSDP: ``fully_shard`` per block and at the root on a (replicate, shard) mesh of ``shape``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = T.make_model(KIND, seed)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = T.make_optimizer("adamw", model)
+    return model, opt, T.make_scheduler(opt, total=HSDP_STEPS)
+
+
+def hsdp_train_killed(rank, world, port, uri, out):
+    """2x2 HSDP: a Checkpointer on every rank (replica 0 of each shard writes it, replica 1 writes nothing but
+    counts steps); train HSDP_STEPS steps, save this rank's shards and the gathered state at HSDP_CHECK, make
+    everything captured durable, then every rank dies (``os._exit``: no close, no lease release)."""
+    _init(rank, world, port)
+    model, opt, sch = hsdp_model(0, (2, 2))
+    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=HSDP_FULL_EVERY, batch_steps=BATCH,
+                               policy="fixed")
+    spec = ck.shard_spec
+    assert (spec.world, spec.replicas) == (2, 2) and (spec.replica, spec.rank) == divmod(rank, 2), spec
+    local, glob = {}, {}
+    for s in range(HSDP_STEPS):
+        T.train_step(KIND, model, opt, sch, s, rank)
+        if s + 1 in HSDP_CHECK:
+            local[s + 1] = local_snapshot(model, opt, sch)
+            glob[s + 1] = global_snapshot(model, opt)
+    ck.flush()
+    assert ck.step == HSDP_STEPS
+    st = ck.stats()
+    if spec.replica:
+        assert ck.last_committed_step is None and st["bytes_written"] == 0 and st["trainer_fulls"] == 0, st
+    else:
+        assert ck.last_committed_step == HSDP_STEPS and st["bytes_written"] > 0, st
+    torch.save(local, os.path.join(out, f"hsdp-local-{rank}.pt"))
+    if rank == 0:
+        torch.save(glob, os.path.join(out, "hsdp-global.pt"))
+    dist.barrier()
+    os._exit(0)   # killed: nothing closed, the writer leases stay taken
+
+
+def hsdp_restore(rank, world, port, uri, out, shape, steps):
+    """Restore each of ``steps`` (None: the latest) on an HSDP mesh of ``shape`` and compare bitwise: at the
+    saved 2x2 shape each rank's own shards (replicas read the shard of their shard coordinate) and the
+    scheduler; at any shape the gathered global state with the saved run's."""
+    _init(rank, world, port)
+    try:
+        glob = torch.load(os.path.join(out, "hsdp-global.pt"), weights_only=False)
+        saved = torch.load(os.path.join(out, f"hsdp-local-{rank}.pt"), weights_only=False) \
+            if tuple(shape) == (2, 2) else None
+        for s in steps:
+            m2, o2, s2 = hsdp_model(99, tuple(shape))
+            got = ray_ckpt.restore(uri, m2, o2, scheduler=s2, step=s)
+            assert got == (HSDP_STEPS if s is None else s), (got, s)
+            if saved is not None:
+                T.assert_same(saved[got], local_snapshot(m2, o2, s2), f"2x2 rank {rank} step {got}")
+            T.assert_same(glob[got], global_snapshot(m2, o2), f"{shape} rank {rank} step {got}")
+            assert s2.state_dict()["last_epoch"] == got
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
