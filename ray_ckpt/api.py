@@ -99,7 +99,7 @@ class Checkpointer:
         self.strategy = strategy if strategy is not None else LowDiff()
         impl = impl_for(self.strategy)
         self.runtime = Runtime.of(runtime)
-        _check_sharded_support(impl, self.shard_spec)
+        _check_sharded_support(impl, self.shard_spec, self.runtime)
         self.config, durable_amber = _resolve_config(config, overrides, self.runtime, impl, self.shard_spec)
         self.storage, run = _open_lineage(uri, storage_options, run, self.shard_spec, self.runtime)
         self.uri = self.storage.describe()
@@ -421,11 +421,20 @@ def load_export(path: str | os.PathLike) -> dict:
     return _load(path)
 
 
-def _check_sharded_support(impl, shard_spec) -> None:
-    """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards)."""
-    if shard_spec is not None and impl.name != "lowdiff":
-        raise NotImplementedError(f"sharded (FSDP2) state is checkpointed with LowDiff; {impl.name!r} is not "
-                                  f"supported for it yet")
+def _check_sharded_support(impl, shard_spec, runtime: Runtime) -> None:
+    """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards), and Amber (increments of
+    each rank's shards, element-wise bound, so it holds for the consolidated tensors too) with
+    runtime="local"."""
+    if shard_spec is None:
+        return
+    if impl.name not in ("lowdiff", "amber"):
+        raise NotImplementedError(f"sharded (FSDP2) state is checkpointed with LowDiff or Amber; {impl.name!r} is "
+                                  f"not supported for it yet")
+    if impl.name == "amber" and runtime is Runtime.RAY:
+        raise NotImplementedError("Amber for sharded (FSDP2) state runs with runtime='local' (each rank encodes "
+                                  "its shards' increments in its writer thread); with runtime='ray' the shard runs' "
+                                  "replicas are not verified for Amber increments yet: use runtime='local' "
+                                  "(under Ray Train: sharded_runtime='local') or LowDiff")
 
 
 def open_uri(uri, storage_options: dict | None = None):

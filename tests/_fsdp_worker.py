@@ -147,16 +147,31 @@ def missing_shard(rank, world, port, uri, out, expect):
 
 
 def refused(rank, world, port, uri, out):
-    """What sharded state does not support yet is refused at attach, before anything is written."""
+    """What sharded state does not support yet is refused at attach, before anything is written: Amber with
+    runtime="ray", and tensor-parallel / Partial placements (the error names the placements)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
     _init(rank, world, port)
     try:
         model, opt, sch = fsdp_model(0)
         try:
-            ray_ckpt.Checkpointer(uri, model, opt, strategy=ray_ckpt.Amber())
+            ray_ckpt.Checkpointer(uri, model, opt, strategy=ray_ckpt.Amber(), runtime="ray")
         except NotImplementedError as e:
-            assert "amber" in str(e) and "FSDP2" in str(e), e
+            assert "Amber" in str(e) and "FSDP2" in str(e) and "runtime='local'" in str(e), e
         else:
-            raise AssertionError("Amber accepted for sharded state")
+            raise AssertionError("Amber accepted for sharded state with runtime='ray'")
+        mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        tp = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh2, [Shard(0), Shard(1)]))
+        partial = torch.nn.Parameter(DTensor.from_local(torch.randn(4), init_device_mesh("cpu", (1,)), [Partial()]))
+        for p, what in ((tp, "(Shard(dim=0), Shard(dim=1))"), (partial, "Partial")):
+            m = torch.nn.Module()
+            m.w = p
+            try:
+                ray_ckpt.Checkpointer(uri, m, torch.optim.SGD([p], lr=0.1))
+            except NotImplementedError as e:
+                assert what in str(e) and "not supported" in str(e), e
+            else:
+                raise AssertionError(f"{what} accepted for sharded state")
         assert not os.path.exists(uri) or not os.listdir(uri), os.listdir(uri)
     finally:
         dist.destroy_process_group()
@@ -328,6 +343,84 @@ def hsdp_restore(rank, world, port, uri, out, shape, steps):
                 T.assert_same(saved[got], local_snapshot(m2, o2, s2), f"2x2 rank {rank} step {got}")
             T.assert_same(glob[got], global_snapshot(m2, o2), f"{shape} rank {rank} step {got}")
             assert s2.state_dict()["last_epoch"] == got
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- Amber for sharded state ------------------------------------------------------------------------------------
+AMBER_STEPS = 12
+AMBER_CHECK = (0, 4, 9, AMBER_STEPS)
+AMBER_THR, AMBER_OPT_THR = 0.02, 0.05
+
+
+def amber_config():
+    return ray_ckpt.Amber(threshold=AMBER_THR, optimizer_state="threshold", optimizer_threshold=AMBER_OPT_THR,
+                          optimizer_every=1, merge_after=2, full_ratio=None)   # merged increments, no early full
+
+
+def _excess(restored, true, thr: float) -> float:
+    """max(|restored - true| - thr·|restored|) in float64; <= 0: the bound holds for every element."""
+    r, x = restored.double(), true.double()
+    return float(((r - x).abs() - thr * r.abs()).max())
+
+
+def assert_within_amber_bound(true: dict, got: dict, what: str) -> int:
+    """The consolidated (gathered) state ``got`` is within the Amber bound of ``true`` for every element of every
+    parameter and optimizer-state tensor (scalars exact). Returns how many elements differ (stale, bounded)."""
+    stale = 0
+    for part, thr in (("model", AMBER_THR), ("opt", AMBER_OPT_THR)):
+        flat_t = true[part] if part == "model" else {(i, k): v for i, st in true[part].items() for k, v in st.items()}
+        flat_g = got[part] if part == "model" else {(i, k): v for i, st in got[part].items() for k, v in st.items()}
+        assert flat_t.keys() == flat_g.keys(), what
+        for key, t in flat_t.items():
+            g = flat_g[key]
+            if t.numel() == 1 or not t.is_floating_point():
+                assert torch.equal(g, t), f"{what} {part} {key}: exact slot differs"
+                continue
+            assert _excess(g, t, thr) <= 0, f"{what} {part} {key}: bound violated"
+            stale += int((g != t).sum())
+    return stale
+
+
+def amber_train_restore(rank, world, port, uri, out):
+    """World 2 with strategy=Amber (lossy parameters and optimizer state, merged increments): every rank writes
+    its shards' increments; each restored step, gathered (consolidated), is within the bound of the live run."""
+    _init(rank, world, port)
+    try:
+        model, opt, sch = fsdp_model(0)
+        ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, strategy=amber_config(), full_every=100,
+                                   batch_steps=2, policy="fixed")
+        glob = {0: global_snapshot(model, opt)}
+        for s in range(AMBER_STEPS):
+            T.train_step(KIND, model, opt, sch, s, rank)
+            glob[s + 1] = global_snapshot(model, opt)
+        assert ck._capture.merges > 0
+        ck.close()
+        if rank == 0:
+            torch.save(glob, os.path.join(out, "amber-global.pt"))
+        dist.barrier()
+        stale = 0
+        for s in AMBER_CHECK:
+            m2, o2, s2 = fsdp_model(99)
+            assert ray_ckpt.restore(uri, m2, o2, scheduler=s2, step=s) == s
+            stale += assert_within_amber_bound(glob[s], global_snapshot(m2, o2), f"rank {rank} step {s}")
+        assert stale > 0   # not vacuous: restores return stale (bounded) values
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def amber_restore_at_world(rank, world, port, uri, out):
+    """Another world size: the Amber-restored shards, resharded and gathered, are within the bound."""
+    _init(rank, world, port)
+    try:
+        glob = torch.load(os.path.join(out, "amber-global.pt"), weights_only=False)
+        for s in (AMBER_CHECK[-2], None):
+            m2, o2, s2 = fsdp_model(99)
+            got = ray_ckpt.restore(uri, m2, o2, scheduler=s2, step=s)
+            assert got == (AMBER_STEPS if s is None else s), (got, s)
+            assert_within_amber_bound(glob[got], global_snapshot(m2, o2), f"world {world} step {got}")
         dist.barrier()
     finally:
         dist.destroy_process_group()
