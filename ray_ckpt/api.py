@@ -71,6 +71,9 @@ class Checkpointer:
     :func:`restore` on every rank of any world size restores the newest step all saved ranks hold, resharding
     when the world size changed (see :mod:`ray_ckpt.engine.sharded`). With ``runtime="ray"`` every shard lineage
     is a run of its own (``run`` + ``:shard-w<world>-r<rank>``): its coordinator, node workers and replica.
+    HSDP (a 2-D (replicate, shard) mesh): replica 0 of every shard writes its lineage; on the other replicas the
+    Checkpointer only counts steps (``last_committed_step`` stays None). ``strategy=Amber()`` works on sharded
+    state with ``runtime="local"``.
 
     ``durable_diffs`` (``runtime="ray"``): what the durable tier gets besides the fulls — ``"all"`` (default:
     every step's record), ``"fulls"`` (step records stay in memory on two nodes), or ``"amber"`` / an

@@ -11,7 +11,14 @@ optimizer step consumes, its parameter and optimizer-state shards for fulls) int
     <root>/shards/w00002/r00001/...         rank 1's
 
 Every full records the sharding (:func:`sharding_info`: world size, rank, each parameter's global shape and
-shard dimension) in its layout.
+shard dimension, replicas) in its layout.
+
+**HSDP** (``fully_shard`` on a 2-D (replicate, shard) mesh; placements ``Replicate() x Shard(d)``): ``world`` and
+``rank`` are the size of the sharding mesh dimension and this rank's coordinate on it, so the layout is that of a
+1-D mesh of ``world`` ranks. Replica 0 of every shard writes it (:attr:`ShardSpec.writes`); the other replicas
+hold the same bytes and write nothing (:mod:`ray_ckpt.engine.hsdp`); every rank restores the shard of its shard
+coordinate, so any mesh shape restores from any other. Tensor-parallel placements, ``Partial`` and meshes of 3+
+dimensions are refused (:func:`mesh_layout`).
 
 **A step is recoverable only when every rank's shard of it is** (:func:`agreed_step`): a restore takes the newest
 step that each shard lineage of one world size restores exactly, never mixing steps across ranks. With
@@ -30,8 +37,8 @@ into the live DTensors' local shards and the optimizer. Loop state (param groups
 the rank's own when the saved world had that rank, else rank 0's with RNG streams derived from it and the rank
 (:func:`ray_ckpt.engine.loopstate.derive_rng`).
 
-Supported: 1-D meshes, ``Shard(d)`` placements, optimizers whose state tensors have their parameter's shape or
-are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"`` every shard lineage is a run of its own
+Supported: 1-D meshes with ``Shard(d)`` placements, 2-D HSDP meshes with ``Replicate() x Shard(d)``, optimizers
+whose state tensors have their parameter's shape or are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"`` every shard lineage is a run of its own
 (:func:`shard_run`: its coordinator, node workers and state-tier replica), and restores go through the shard
 runs (:class:`ray_ckpt.runtime.client.ShardedMemoryTier`). Where calls run: the training process of each rank.
 """
