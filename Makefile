@@ -55,10 +55,11 @@ bench-scaling: $(STAMP)
 	$(PY) -m benchmarks.paired --scaling
 
 # FSDP2, a checkpoint every step: ray_ckpt's shard lineages vs DCP async_save vs none, interleaved;
-# then the same with runtime="ray" (shard runs on a private local Ray)
+# then the same with runtime="ray" (shard runs on a private local Ray); then HSDP (a 2x2 mesh, 4 ranks)
 bench-fsdp: $(STAMP)
 	$(PY) -m benchmarks.fsdp
 	$(PY) -m benchmarks.fsdp --runtime ray
+	$(PY) -m benchmarks.fsdp --replicas 2
 
 # the coordinator's periodic work against the length of a run (lineages of 10,000-360,000 steps; ~1 min)
 bench-coordinator: $(STAMP)

@@ -4,6 +4,7 @@ interleaved in the same processes.
     .venv/bin/python -m benchmarks.fsdp                 # make bench-fsdp: GPT 10.9M, 2 gloo ranks, ~10 min
     .venv/bin/python -m benchmarks.fsdp --quick         # a smoke run (small GPT, 3 rounds)
     .venv/bin/python -m benchmarks.fsdp --runtime ray   # ray_ckpt through shard runs on a private local Ray
+    .venv/bin/python -m benchmarks.fsdp --replicas 2    # HSDP: a (2, world) mesh, 2 x world gloo ranks
 
 Design (as :mod:`benchmarks.paired`): the same gloo processes train three identical FSDP2 replicas of the GPT
 example (``fully_shard`` per block and at the root; same seed, same batches, AdamW, a scheduler) and take turns
@@ -24,7 +25,13 @@ time of rank 0's training thread). ray_ckpt's rounds that hold a full checkpoint
 paired_median_ci`). Also: bytes persisted per step (all ranks), and a restore of the latest step from ray_ckpt's
 shards into fresh FSDP2 objects, checked bitwise (``torch.equal``) against the live replica.
 
-Outputs (``--out``, default ``benchmarks/results/``): ``fsdp.json`` / ``.md`` / ``.png``.
+With ``--replicas R`` (HSDP) every replica is ``fully_shard``ed on a ``(R, world)`` (replicate, shard) mesh of
+``R x world`` ranks: replica 0 of each shard writes its lineage, the other replicas write nothing, so the bytes
+persisted per step (summed over every rank) are those of the 1-D run of ``world`` ranks, not ``R`` times them;
+DCP's planner deduplicates the replicas too.
+
+Outputs (``--out``, default ``benchmarks/results/``): ``fsdp.json`` / ``.md`` / ``.png`` (``fsdp_hsdp*`` with
+``--replicas``).
 """
 from __future__ import annotations
 
@@ -49,16 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
                       runtime="ray_ckpt's runtime: 'ray' starts a private one-node Ray for the shard runs' actors")
     p.add_argument("--rounds", type=int, default=12, help="rounds of three blocks (one per arm)")
     p.add_argument("--quick", action="store_true", help="3 rounds of 2 steps, small GPT unless --job (a smoke run)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="HSDP: replicas of every shard (a (replicas, world) mesh of replicas x world ranks)")
     return p
 
 
-def _replica(spec: jobs.JobSpec, total: int, seed: int) -> blocks.Arm:
+def _replica(spec: jobs.JobSpec, total: int, seed: int, mesh_shape: tuple | None = None) -> blocks.Arm:
+    """One FSDP2 replica of the job: ``fully_shard`` per block and at the root, on the default 1-D mesh or (HSDP)
+    a (replicate, shard) mesh of ``mesh_shape``."""
     import torch
     from torch.distributed.fsdp import fully_shard
+    mesh = None
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=("replicate", "shard"))
     job = jobs.build(spec, torch.device("cpu"), seed=seed)
     for block in job.model.blocks:
-        fully_shard(block)
-    fully_shard(job.model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(job.model, mesh=mesh)
     opt = jobs.make_optimizer(job.model, spec.lr, spec.kind)
     return blocks.Arm(job, job.model, opt, jobs.make_scheduler(opt, total=total))
 
@@ -73,7 +88,9 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
     from benchmarks.worker import AsyncDCP
     spec, total = blocks.start(rank, cell, cell["rounds"])
     k, rounds, w = cell["block_steps"], cell["rounds"], cell["warmup"]
-    arms = {a: _replica(spec, total, seed=0) for a in "rnd"}
+    shape = cell.get("mesh")
+    writers = cell["world"] // (shape[0] if shape else 1)   # replica 0 of every shard writes it
+    arms = {a: _replica(spec, total, seed=0, mesh_shape=shape) for a in "rnd"}
     uri = os.path.join(cell["dir"], "ckpt")
     rt = {}
     if cell.get("ray_address"):
@@ -100,11 +117,11 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
                         + [float(st["capture_seconds"] - st0["capture_seconds"])], dtype=torch.float64)
     dist.all_reduce(mine)   # every rank's shard: the bytes of the whole step
     out.update(diff_bytes_per_step=float(mine[0]) / steps, full_bytes_per_step=float(mine[1]) / steps,
-               fulls=int(mine[2]) // cell["world"], capture_ms_per_step=1e3 * float(mine[3]) / steps / cell["world"],
+               fulls=int(mine[2]) // writers, capture_ms_per_step=1e3 * float(mine[3]) / steps / writers,
                dcp_bytes_per_step=(saver.bytes - bytes0) / max(1, saver.saves - saves0))
     ck.close()
     dist.barrier()
-    _restore(spec, total, uri, rt, r, out)
+    _restore(spec, total, uri, rt, r, out, shape)
     out["param_count"] = sum(p.numel() for p in r.net.parameters())
     if rt:
         out["runtime_stats"] = st.get("runtime")
@@ -116,7 +133,8 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
         ray.shutdown()
 
 
-def _restore(spec: jobs.JobSpec, total: int, uri: str, rt: dict, live: blocks.Arm, out: dict) -> None:
+def _restore(spec: jobs.JobSpec, total: int, uri: str, rt: dict, live: blocks.Arm, out: dict,
+             mesh_shape: tuple | None = None) -> None:
     """Rank process: restore the latest step from the shards into fresh FSDP2 objects, bitwise against replica r
     (on this rank, and on every rank: a collective)."""
     import torch
@@ -124,7 +142,7 @@ def _restore(spec: jobs.JobSpec, total: int, uri: str, rt: dict, live: blocks.Ar
 
     import ray_ckpt
     from ray_ckpt.engine.sharded import local
-    fresh = _replica(spec, total, seed=99)
+    fresh = _replica(spec, total, seed=99, mesh_shape=mesh_shape)
     t0 = time.perf_counter()
     out["restored_step"] = ray_ckpt.restore(uri, fresh.net, fresh.opt, scheduler=fresh.sched, **rt)
     out["restore_latest_s"] = time.perf_counter() - t0
@@ -142,7 +160,8 @@ def _persisted(st: dict, ray_runtime: bool) -> tuple[float, float, float]:
     or with runtime="ray" its node worker's and its replica's (which takes the fulls)."""
     if not ray_runtime:
         return float(st["diff_bytes"]), float(st["full_bytes"]), float(st["trainer_fulls"])
-    w, r = st["runtime"].get("worker", {}), st["runtime"].get("replica", {})
+    rt = st.get("runtime", {})   # none on an HSDP replica that writes nothing
+    w, r = rt.get("worker", {}), rt.get("replica", {})
     return (float(w.get("diff_bytes_written", 0)),
             float(w.get("full_bytes_written", 0) + r.get("full_bytes_written", 0)),
             float(st["trainer_fulls"] + r.get("fulls_written", 0)))
@@ -150,7 +169,8 @@ def _persisted(st: dict, ray_runtime: bool) -> tuple[float, float, float]:
 
 def summarize(cell: dict, r0: dict) -> dict:
     bl_list = r0["blocks"]
-    out = {"job": cell["job"], "world": cell["world"], "threads": cell["threads"], "rounds": len(bl_list),
+    out = {"job": cell["job"], "world": cell["world"], "mesh": cell.get("mesh"), "threads": cell["threads"],
+           "rounds": len(bl_list),
            "block_steps": cell["block_steps"], "runtime": cell.get("runtime", "local"),
            "step_s_ref_median": report.median([b["n_s"] / cell["block_steps"] for b in bl_list]),
            **{k: r0.get(k) for k in ("param_count", "diff_bytes_per_step", "full_bytes_per_step", "capture_ms_per_step",
@@ -176,7 +196,8 @@ def markdown(result: dict) -> str:
     lines = ["# ray_ckpt FSDP2 benchmark: every-step checkpoints of sharded state", "",
              f"{result['date']} · {m.get('cpu', '?')} · {m.get('cores', '?')} cores · torch {m.get('torch', '?')} · "
              f"{result['wall_s'] / 60:.1f} min", "",
-             f"GPT {c['job']['size']} ({c['param_count'] / 1e6:.1f}M parameters), FSDP2 on {c['world']} gloo ranks x "
+             f"GPT {c['job']['size']} ({c['param_count'] / 1e6:.1f}M parameters), FSDP2 on {c['world']} gloo ranks"
+             + (f" (HSDP: a {c['mesh'][0]}x{c['mesh'][1]} (replicate, shard) mesh)" if c.get("mesh") else "") + " x "
              f"{c['threads']} thread(s), AdamW; {c['rounds']} rounds of 3 blocks x {c['block_steps']} steps "
              f"(order rotating); reference step {c['step_s_ref_median']:.3f} s.", "",
              "| every step | overhead, wall (median, 95% CI) | training-thread CPU | bytes persisted per step |",
@@ -215,7 +236,8 @@ def plot(result: dict, path: str) -> None:
     ax.set_xticks(range(len(vals)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("overhead vs no checkpoint, % (95% CI)")
-    ax.set_title(f"FSDP2, checkpoint every step: GPT {c['job']['size']}, {c['world']} ranks")
+    ax.set_title(f"FSDP2, checkpoint every step: GPT {c['job']['size']}, {c['world']} ranks"
+                 + (f" (HSDP {c['mesh'][0]}x{c['mesh'][1]})" if c.get("mesh") else ""))
     fig.tight_layout()
     report.save_figure(fig, path)
 
@@ -226,7 +248,7 @@ def resolve(args) -> jobs.JobSpec:
         if args.job == build_parser().get_default("job"):
             args.job = "gpt:small:4"
         args.rounds, args.block_steps, args.warmup = 3, 2, 1
-    for name in ("rounds", "block_steps", "world"):
+    for name in ("rounds", "block_steps", "world", "replicas"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.rounds < 3:
@@ -242,15 +264,18 @@ def main(argv=None) -> int:
     spec = resolve(args)
     harness.preimport()
     d = tempfile.mkdtemp(prefix="ray_ckpt_fsdp_")
-    cell = {"dir": d, "job": spec.to_dict(), "world": args.world,
-            "threads": harness.threads_per_rank(args.threads, args.world), "rounds": args.rounds,
+    ranks = args.world * args.replicas
+    cell = {"dir": d, "job": spec.to_dict(), "world": ranks,
+            "mesh": [args.replicas, args.world] if args.replicas > 1 else None,
+            "threads": harness.threads_per_rank(args.threads, ranks), "rounds": args.rounds,
             "block_steps": args.block_steps, "warmup": args.warmup, "runtime": args.runtime}
     with contextlib.ExitStack() as stack:
         if args.runtime == "ray":
             cell["ray_address"] = stack.enter_context(harness.private_ray(
-                os.path.join(d, "rayhost"), args.world + 2, args.object_store_mb)).address
+                os.path.join(d, "rayhost"), ranks + 2, args.object_store_mb)).address
         jobs.preload(spec)
-        harness.logger("fsdp")(f"GPT {spec.size}, {args.world} ranks: {args.rounds} rounds x 3 blocks x "
+        harness.logger("fsdp")(f"GPT {spec.size}, {ranks} ranks{' (HSDP)' if args.replicas > 1 else ''}: "
+                               f"{args.rounds} rounds x 3 blocks x "
                                f"{args.block_steps} steps")
         t0 = time.perf_counter()
         res = harness.run_ranks(_worker, cell, args.timeout)
@@ -259,7 +284,8 @@ def main(argv=None) -> int:
     result = {"date": report.now(), "machine": report.machine_info("cpu"), "settings": vars(args), "errors": errors,
               "wall_s": time.perf_counter() - t0,
               "cell": summarize(cell, res[0]) if "error" not in res[0] else None}
-    base = os.path.join(args.out, ("fsdp_quick" if args.quick else "fsdp") + ("_ray" if args.runtime == "ray" else ""))
+    base = os.path.join(args.out, ("fsdp_quick" if args.quick else "fsdp") + ("_hsdp" if args.replicas > 1 else "")
+                        + ("_ray" if args.runtime == "ray" else ""))
     if result["cell"] is not None:
         report.write_result(base, result, markdown, plot)
     else:

@@ -71,6 +71,9 @@ class Checkpointer:
     :func:`restore` on every rank of any world size restores the newest step all saved ranks hold, resharding
     when the world size changed (see :mod:`ray_ckpt.engine.sharded`). With ``runtime="ray"`` every shard lineage
     is a run of its own (``run`` + ``:shard-w<world>-r<rank>``): its coordinator, node workers and replica.
+    HSDP (a 2-D (replicate, shard) mesh): replica 0 of every shard writes its lineage; on the other replicas the
+    Checkpointer only counts steps (``last_committed_step`` stays None). ``strategy=Amber()`` works on sharded
+    state with ``runtime="local"``.
 
     ``durable_diffs`` (``runtime="ray"``): what the durable tier gets besides the fulls — ``"all"`` (default:
     every step's record), ``"fulls"`` (step records stay in memory on two nodes), or ``"amber"`` / an
@@ -99,7 +102,7 @@ class Checkpointer:
         self.strategy = strategy if strategy is not None else LowDiff()
         impl = impl_for(self.strategy)
         self.runtime = Runtime.of(runtime)
-        _check_sharded_support(impl, self.shard_spec)
+        _check_sharded_support(impl, self.shard_spec, self.runtime)
         self.config, durable_amber = _resolve_config(config, overrides, self.runtime, impl, self.shard_spec)
         self.storage, run = _open_lineage(uri, storage_options, run, self.shard_spec, self.runtime)
         self.uri = self.storage.describe()
@@ -108,6 +111,9 @@ class Checkpointer:
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
         self._feed: CommitFeed | None = None
         self._att = Attachment()
+        if self.shard_spec is not None and not self.shard_spec.writes:
+            self._follow_replica(optimizer, run, start_step)   # HSDP: replica 0 of this shard writes it
+            return
         with self._att.releasing_on_error():   # a failure below leaves nothing held (lease, writer thread, hooks)
             policy = self._attach_sink(impl, run, _attach_info(optimizer, start_step, durable_amber), takeover)
             fp_every = self.config.fingerprint_every if getattr(self._sink, "replica_enabled", False) else 0
@@ -123,6 +129,17 @@ class Checkpointer:
             if self.runtime is Runtime.RAY:   # held on two nodes (durable on a one-node cluster) when attach returns
                 self._sink.wait_safe()
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.uri, self.generation, start_step)
+
+    def _follow_replica(self, optimizer, run, start_step: int) -> None:
+        """A rank whose shard replica 0 writes (HSDP, see :mod:`ray_ckpt.engine.hsdp`): no lease, no writer, no
+        capture; the step is counted. Training thread."""
+        from ray_ckpt.engine.hsdp import NoWrites, ReplicaFollower
+        self.run, self.generation = run, None
+        self._capture = self._att.hold_capture(ReplicaFollower(optimizer, start_step, self.config.full_every,
+                                                               self.config.batch_steps))
+        self._sink = self._att.hold_sink(NoWrites())
+        log.info("ray_ckpt: replica %d of shard %d (HSDP) writes nothing; replica 0 writes %s",
+                 self.shard_spec.replica, self.shard_spec.rank, self.uri)
 
     def _attach_sink(self, impl, run, info: dict, takeover: bool):
         """The lease (local), the generation and the sink of this attach, held by the attachment; returns the
@@ -250,7 +267,8 @@ def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec
     storage = open_uri(uri, storage_options)
     if shard_spec is None:
         return storage, run
-    _sharded.mark_world(storage, shard_spec)
+    if shard_spec.writes:   # HSDP: the replicas > 0 write nothing, not even the marker
+        _sharded.mark_world(storage, shard_spec)
     if runtime is Runtime.RAY:
         run = _sharded.shard_run(run, shard_spec.world, shard_spec.rank)
     return _sharded.shard_storage(storage, shard_spec.world, shard_spec.rank), run
@@ -445,11 +463,20 @@ def load_export(path: str | os.PathLike) -> dict:
     return _load(path)
 
 
-def _check_sharded_support(impl, shard_spec) -> None:
-    """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards)."""
-    if shard_spec is not None and impl.name != "lowdiff":
-        raise NotImplementedError(f"sharded (FSDP2) state is checkpointed with LowDiff; {impl.name!r} is not "
-                                  f"supported for it yet")
+def _check_sharded_support(impl, shard_spec, runtime: Runtime) -> None:
+    """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards), and Amber (increments of
+    each rank's shards, element-wise bound, so it holds for the consolidated tensors too) with
+    runtime="local"."""
+    if shard_spec is None:
+        return
+    if impl.name not in ("lowdiff", "amber"):
+        raise NotImplementedError(f"sharded (FSDP2) state is checkpointed with LowDiff or Amber; {impl.name!r} is "
+                                  f"not supported for it yet")
+    if impl.name == "amber" and runtime is Runtime.RAY:
+        raise NotImplementedError("Amber for sharded (FSDP2) state runs with runtime='local' (each rank encodes "
+                                  "its shards' increments in its writer thread); with runtime='ray' the shard runs' "
+                                  "replicas are not verified for Amber increments yet: use runtime='local' "
+                                  "(under Ray Train: sharded_runtime='local') or LowDiff")
 
 
 def open_uri(uri, storage_options: dict | None = None):

@@ -147,16 +147,31 @@ def missing_shard(rank, world, port, uri, out, expect):
 
 
 def refused(rank, world, port, uri, out):
-    """What sharded state does not support yet is refused at attach, before anything is written."""
+    """What sharded state does not support yet is refused at attach, before anything is written: Amber with
+    runtime="ray", and tensor-parallel / Partial placements (the error names the placements)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
     _init(rank, world, port)
     try:
         model, opt, sch = fsdp_model(0)
         try:
-            ray_ckpt.Checkpointer(uri, model, opt, strategy=ray_ckpt.Amber())
+            ray_ckpt.Checkpointer(uri, model, opt, strategy=ray_ckpt.Amber(), runtime="ray")
         except NotImplementedError as e:
-            assert "amber" in str(e) and "FSDP2" in str(e), e
+            assert "Amber" in str(e) and "FSDP2" in str(e) and "runtime='local'" in str(e), e
         else:
-            raise AssertionError("Amber accepted for sharded state")
+            raise AssertionError("Amber accepted for sharded state with runtime='ray'")
+        mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        tp = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh2, [Shard(0), Shard(1)]))
+        partial = torch.nn.Parameter(DTensor.from_local(torch.randn(4), init_device_mesh("cpu", (1,)), [Partial()]))
+        for p, what in ((tp, "(Shard(dim=0), Shard(dim=1))"), (partial, "Partial")):
+            m = torch.nn.Module()
+            m.w = p
+            try:
+                ray_ckpt.Checkpointer(uri, m, torch.optim.SGD([p], lr=0.1))
+            except NotImplementedError as e:
+                assert what in str(e) and "not supported" in str(e), e
+            else:
+                raise AssertionError(f"{what} accepted for sharded state")
         assert not os.path.exists(uri) or not os.listdir(uri), os.listdir(uri)
     finally:
         dist.destroy_process_group()
@@ -275,6 +290,155 @@ def train_checkpointed(rank, world, port, uri, out):
             torch.save(glob, os.path.join(out, "global.pt"))
             torch.save({s: local[s]["sched"] for s in local}, os.path.join(out, "sched.pt"))
             torch.save({s: local[s]["opt"]["param_groups"] for s in local}, os.path.join(out, "groups.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- HSDP: a 2-D (replicate, shard) mesh ------------------------------------------------------------------------
+HSDP_STEPS = 9
+HSDP_FULL_EVERY = 5
+HSDP_CHECK = (7, HSDP_STEPS)   # the steps the HSDP restores compare (a full at 5, diffs after it)
+
+
+def hsdp_model(seed: int, shape: tuple[int, int]):
+    """TinyGPT under HSDP: ``fully_shard`` per block and at the root on a (replicate, shard) mesh of ``shape``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    model = T.make_model(KIND, seed)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = T.make_optimizer("adamw", model)
+    return model, opt, T.make_scheduler(opt, total=HSDP_STEPS)
+
+
+def hsdp_train_killed(rank, world, port, uri, out):
+    """2x2 HSDP: a Checkpointer on every rank (replica 0 of each shard writes it, replica 1 writes nothing but
+    counts steps); train HSDP_STEPS steps, save this rank's shards and the gathered state at HSDP_CHECK, make
+    everything captured durable, then every rank dies (``os._exit``: no close, no lease release)."""
+    _init(rank, world, port)
+    model, opt, sch = hsdp_model(0, (2, 2))
+    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=HSDP_FULL_EVERY, batch_steps=BATCH,
+                               policy="fixed")
+    spec = ck.shard_spec
+    assert (spec.world, spec.replicas) == (2, 2) and (spec.replica, spec.rank) == divmod(rank, 2), spec
+    local, glob = {}, {}
+    for s in range(HSDP_STEPS):
+        T.train_step(KIND, model, opt, sch, s, rank)
+        if s + 1 in HSDP_CHECK:
+            local[s + 1] = local_snapshot(model, opt, sch)
+            glob[s + 1] = global_snapshot(model, opt)
+    ck.flush()
+    assert ck.step == HSDP_STEPS
+    st = ck.stats()
+    if spec.replica:
+        assert ck.last_committed_step is None and st["bytes_written"] == 0 and st["trainer_fulls"] == 0, st
+    else:
+        assert ck.last_committed_step == HSDP_STEPS and st["bytes_written"] > 0, st
+    torch.save(local, os.path.join(out, f"hsdp-local-{rank}.pt"))
+    if rank == 0:
+        torch.save(glob, os.path.join(out, "hsdp-global.pt"))
+    dist.barrier()
+    os._exit(0)   # killed: nothing closed, the writer leases stay taken
+
+
+def hsdp_restore(rank, world, port, uri, out, shape, steps):
+    """Restore each of ``steps`` (None: the latest) on an HSDP mesh of ``shape`` and compare bitwise: at the
+    saved 2x2 shape each rank's own shards (replicas read the shard of their shard coordinate) and the
+    scheduler; at any shape the gathered global state with the saved run's."""
+    _init(rank, world, port)
+    try:
+        glob = torch.load(os.path.join(out, "hsdp-global.pt"), weights_only=False)
+        saved = torch.load(os.path.join(out, f"hsdp-local-{rank}.pt"), weights_only=False) \
+            if tuple(shape) == (2, 2) else None
+        for s in steps:
+            m2, o2, s2 = hsdp_model(99, tuple(shape))
+            got = ray_ckpt.restore(uri, m2, o2, scheduler=s2, step=s)
+            assert got == (HSDP_STEPS if s is None else s), (got, s)
+            if saved is not None:
+                T.assert_same(saved[got], local_snapshot(m2, o2, s2), f"2x2 rank {rank} step {got}")
+            T.assert_same(glob[got], global_snapshot(m2, o2), f"{shape} rank {rank} step {got}")
+            assert s2.state_dict()["last_epoch"] == got
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- Amber for sharded state ------------------------------------------------------------------------------------
+AMBER_STEPS = 12
+AMBER_CHECK = (0, 4, 9, AMBER_STEPS)
+AMBER_THR, AMBER_OPT_THR = 0.02, 0.05
+
+
+def amber_config():
+    return ray_ckpt.Amber(threshold=AMBER_THR, optimizer_state="threshold", optimizer_threshold=AMBER_OPT_THR,
+                          optimizer_every=1, merge_after=2, full_ratio=None)   # merged increments, no early full
+
+
+def _excess(restored, true, thr: float) -> float:
+    """max(|restored - true| - thr·|restored|) in float64; <= 0: the bound holds for every element."""
+    r, x = restored.double(), true.double()
+    return float(((r - x).abs() - thr * r.abs()).max())
+
+
+def assert_within_amber_bound(true: dict, got: dict, what: str) -> int:
+    """The consolidated (gathered) state ``got`` is within the Amber bound of ``true`` for every element of every
+    parameter and optimizer-state tensor (scalars exact). Returns how many elements differ (stale, bounded)."""
+    stale = 0
+    for part, thr in (("model", AMBER_THR), ("opt", AMBER_OPT_THR)):
+        flat_t = true[part] if part == "model" else {(i, k): v for i, st in true[part].items() for k, v in st.items()}
+        flat_g = got[part] if part == "model" else {(i, k): v for i, st in got[part].items() for k, v in st.items()}
+        assert flat_t.keys() == flat_g.keys(), what
+        for key, t in flat_t.items():
+            g = flat_g[key]
+            if t.numel() == 1 or not t.is_floating_point():
+                assert torch.equal(g, t), f"{what} {part} {key}: exact slot differs"
+                continue
+            assert _excess(g, t, thr) <= 0, f"{what} {part} {key}: bound violated"
+            stale += int((g != t).sum())
+    return stale
+
+
+def amber_train_restore(rank, world, port, uri, out):
+    """World 2 with strategy=Amber (lossy parameters and optimizer state, merged increments): every rank writes
+    its shards' increments; each restored step, gathered (consolidated), is within the bound of the live run."""
+    _init(rank, world, port)
+    try:
+        model, opt, sch = fsdp_model(0)
+        ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, strategy=amber_config(), full_every=100,
+                                   batch_steps=2, policy="fixed")
+        glob = {0: global_snapshot(model, opt)}
+        for s in range(AMBER_STEPS):
+            T.train_step(KIND, model, opt, sch, s, rank)
+            glob[s + 1] = global_snapshot(model, opt)
+        assert ck._capture.merges > 0
+        ck.close()
+        if rank == 0:
+            torch.save(glob, os.path.join(out, "amber-global.pt"))
+        dist.barrier()
+        stale = 0
+        for s in AMBER_CHECK:
+            m2, o2, s2 = fsdp_model(99)
+            assert ray_ckpt.restore(uri, m2, o2, scheduler=s2, step=s) == s
+            stale += assert_within_amber_bound(glob[s], global_snapshot(m2, o2), f"rank {rank} step {s}")
+        assert stale > 0   # not vacuous: restores return stale (bounded) values
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def amber_restore_at_world(rank, world, port, uri, out):
+    """Another world size: the Amber-restored shards, resharded and gathered, are within the bound."""
+    _init(rank, world, port)
+    try:
+        glob = torch.load(os.path.join(out, "amber-global.pt"), weights_only=False)
+        for s in (AMBER_CHECK[-2], None):
+            m2, o2, s2 = fsdp_model(99)
+            got = ray_ckpt.restore(uri, m2, o2, scheduler=s2, step=s)
+            assert got == (AMBER_STEPS if s is None else s), (got, s)
+            assert_within_amber_bound(glob[got], global_snapshot(m2, o2), f"world {world} step {got}")
         dist.barrier()
     finally:
         dist.destroy_process_group()

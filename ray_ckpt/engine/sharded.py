@@ -11,7 +11,14 @@ optimizer step consumes, its parameter and optimizer-state shards for fulls) int
     <root>/shards/w00002/r00001/...         rank 1's
 
 Every full records the sharding (:func:`sharding_info`: world size, rank, each parameter's global shape and
-shard dimension) in its layout.
+shard dimension, replicas) in its layout.
+
+**HSDP** (``fully_shard`` on a 2-D (replicate, shard) mesh; placements ``Replicate() x Shard(d)``): ``world`` and
+``rank`` are the size of the sharding mesh dimension and this rank's coordinate on it, so the layout is that of a
+1-D mesh of ``world`` ranks. Replica 0 of every shard writes it (:attr:`ShardSpec.writes`); the other replicas
+hold the same bytes and write nothing (:mod:`ray_ckpt.engine.hsdp`); every rank restores the shard of its shard
+coordinate, so any mesh shape restores from any other. Tensor-parallel placements, ``Partial`` and meshes of 3+
+dimensions are refused (:func:`mesh_layout`).
 
 **A step is recoverable only when every rank's shard of it is** (:func:`agreed_step`): a restore takes the newest
 step that each shard lineage of one world size restores exactly, never mixing steps across ranks. With
@@ -30,8 +37,8 @@ into the live DTensors' local shards and the optimizer. Loop state (param groups
 the rank's own when the saved world had that rank, else rank 0's with RNG streams derived from it and the rank
 (:func:`ray_ckpt.engine.loopstate.derive_rng`).
 
-Supported: 1-D meshes, ``Shard(d)`` placements, optimizers whose state tensors have their parameter's shape or
-are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"`` every shard lineage is a run of its own
+Supported: 1-D meshes with ``Shard(d)`` placements, 2-D HSDP meshes with ``Replicate() x Shard(d)``, optimizers
+whose state tensors have their parameter's shape or are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"`` every shard lineage is a run of its own
 (:func:`shard_run`: its coordinator, node workers and state-tier replica), and restores go through the shard
 runs (:class:`ray_ckpt.runtime.client.ShardedMemoryTier`). Where calls run: the training process of each rank.
 """
@@ -64,19 +71,65 @@ _MARKER_RE = re.compile(r"^world-(\d{5})\.json$")
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How this rank's optimizer parameters are sharded: ``world`` ranks on a 1-D mesh, this is ``rank``;
-    per optimizer parameter (param_groups order) its global shape and shard dimension."""
+    """How this rank's optimizer parameters are sharded: ``world`` shards (the size of the mesh dimension that
+    shards), this rank holds shard ``rank``; per optimizer parameter (param_groups order) its global shape and
+    shard dimension. On a 2-D mesh (HSDP: replicate x shard) the shards are replicated ``replicas`` times and this
+    rank is replica ``replica`` of its shard (1 and 0 on a 1-D mesh)."""
 
     world: int
     rank: int
     shapes: tuple[tuple[int, ...], ...]
     dims: tuple[int, ...]
+    replicas: int = 1
+    replica: int = 0
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes its shard lineage: replica 0 of every shard does, the other replicas of an
+        HSDP mesh hold the same bytes and write nothing."""
+        return self.replica == 0
+
+
+def _placement_kind(pl) -> str:
+    """``"shard"`` for ``Shard(d)`` itself, ``"replicate"`` for ``Replicate()``, else the placement's repr (a
+    ``Partial``, a strided shard of FSDP + tensor parallelism, ...): what sharded state refuses."""
+    from torch.distributed.tensor import Replicate, Shard
+    if type(pl) is Shard:
+        return "shard"
+    if type(pl) is Replicate:
+        return "replicate"
+    return repr(pl)
+
+
+def mesh_layout(placements, ndim: int) -> tuple[int, int | None]:
+    """``(shard mesh dim, replicate mesh dim or None)`` of a parameter placed by ``placements`` on a mesh of
+    ``ndim`` dimensions. Supported: ``(Shard(d),)`` on a 1-D mesh (FSDP2's ``fully_shard``) and one
+    ``Replicate()`` with one ``Shard(d)`` on a 2-D mesh (HSDP: ``fully_shard`` on a (replicate, shard) mesh).
+    Raises NotImplementedError naming what it found otherwise: a ``Partial``, two ``Shard`` placements (tensor
+    parallelism or 2-D sharding), a strided shard (FSDP over tensor parallelism), a mesh of 3 or more
+    dimensions, or a replicated-only parameter."""
+    kinds = [_placement_kind(pl) for pl in placements]
+    odd = [k for k in kinds if k not in ("shard", "replicate")]
+    if odd:
+        raise NotImplementedError(f"placement {odd[0]} is not supported (tensor parallelism, Partial and strided "
+                                  f"shards are refused: only Shard(d), and Replicate() x Shard(d) for HSDP)")
+    if ndim > 2 or len(kinds) != ndim:
+        raise NotImplementedError(f"a {ndim}-D device mesh is not supported (1-D FSDP2 meshes and 2-D "
+                                  f"(replicate, shard) HSDP meshes are)")
+    if kinds.count("shard") != 1:
+        what = "two Shard placements (tensor parallelism / 2-D sharding)" if kinds.count("shard") > 1 \
+            else "no Shard placement (a replicated DTensor)"
+        raise NotImplementedError(f"{what} is not supported: sharded state needs exactly one mesh dimension "
+                                  f"that shards (Shard(d)), any other replicating (Replicate())")
+    shard_dim = kinds.index("shard")
+    return shard_dim, (None if ndim == 1 else 1 - shard_dim)
 
 
 def spec_of(optimizer: torch.optim.Optimizer) -> ShardSpec | None:
     """The sharding of ``optimizer``'s parameters; None when none is a DTensor (replicated state). Raises
-    NotImplementedError for what is not supported (a 2-D mesh such as HSDP, a placement other than
-    ``Shard(d)``, parameters on different meshes, or plain parameters mixed with DTensors)."""
+    NotImplementedError for what is not supported (see :func:`mesh_layout`: tensor-parallel placements,
+    ``Partial``, meshes of 3 or more dimensions; also parameters on different meshes or placed differently, or
+    plain parameters mixed with DTensors). Training process."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     kinds = [is_dtensor(p) for p in params]
     if not any(kinds):
@@ -84,26 +137,34 @@ def spec_of(optimizer: torch.optim.Optimizer) -> ShardSpec | None:
     if not all(kinds):
         raise NotImplementedError("ray_ckpt: this optimizer mixes DTensor (FSDP2) parameters with plain ones; "
                                   "shard every parameter (fully_shard the root module) or none")
-    from torch.distributed.tensor import Shard
     mesh = params[0].device_mesh
-    shapes, dims = [], []
+    shapes, dims, layout = [], [], None
     for i, p in enumerate(params):
         if p.device_mesh != mesh:
             raise NotImplementedError(f"ray_ckpt: optimizer parameter {i} lives on another device mesh than "
                                       f"parameter 0; sharded state needs one mesh")
-        if mesh.ndim != 1 or len(p.placements) != 1 or not isinstance(p.placements[0], Shard):
-            raise NotImplementedError(f"ray_ckpt: sharded state supports 1-D meshes with Shard(d) placements "
-                                      f"(FSDP2's fully_shard); parameter {i} has {tuple(p.placements)} on a "
-                                      f"{mesh.ndim}-D mesh (HSDP / tensor parallelism are not supported yet)")
+        try:
+            this = mesh_layout(p.placements, mesh.ndim)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"ray_ckpt: optimizer parameter {i} (shape {tuple(p.shape)}) has placements "
+                                      f"{tuple(p.placements)} on a {mesh.ndim}-D mesh "
+                                      f"{mesh.mesh_dim_names or ''}: {e}") from None
+        if layout is not None and this != layout:
+            raise NotImplementedError(f"ray_ckpt: optimizer parameter {i} shards along mesh dimension {this[0]}, "
+                                      f"parameter 0 along {layout[0]}; sharded state needs one layout")
+        layout = this
         shapes.append(tuple(p.shape))
-        dims.append(p.placements[0].dim)
-    return ShardSpec(world=mesh.size(), rank=mesh.get_local_rank(), shapes=tuple(shapes), dims=tuple(dims))
+        dims.append(p.placements[layout[0]].dim)
+    shard_dim, rep_dim = layout
+    replicas, replica = (1, 0) if rep_dim is None else (mesh.size(rep_dim), mesh.get_local_rank(rep_dim))
+    return ShardSpec(world=mesh.size(shard_dim), rank=mesh.get_local_rank(shard_dim), shapes=tuple(shapes),
+                     dims=tuple(dims), replicas=replicas, replica=replica)
 
 
 def sharding_info(spec: ShardSpec) -> dict:
     """What each full of a shard lineage records about the sharding (JSON)."""
     return {"world": spec.world, "rank": spec.rank, "shapes": [list(s) for s in spec.shapes],
-            "dims": list(spec.dims)}
+            "dims": list(spec.dims), "replicas": spec.replicas}
 
 
 def shard_storage(storage, world: int, rank: int) -> PrefixedStorage:
@@ -361,8 +422,10 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
     optimizer.load_state_dict({"state": state, "param_groups": sd_first["param_groups"]})
     apply_loop(home.loop, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                restore_rng=restore_rng)
-    if own is None and restore_rng:
-        derive_rng(spec.rank)   # a rank the saved world did not have: streams of its own, reproducible
+    if (own is None or spec.replica) and restore_rng:
+        # a rank the saved world did not have, or an HSDP replica > 0 (replica 0 wrote the loop state of its
+        # shard): streams of its own, reproducible (for replica 0 the key is the rank, as on a 1-D mesh)
+        derive_rng(spec.replica * spec.world + spec.rank)
     setattr(optimizer, RESTORED_STEP_ATTR, step)
     log.info("ray_ckpt: rank %d of %d restored step %d from %d saved shard(s) of world size %d", spec.rank,
              spec.world, step, len(sources), world)
