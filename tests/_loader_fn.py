@@ -56,9 +56,9 @@ def _train(net, opt, data, *, rank, start, config, kill=None):
     return step
 
 
-def _final(out, rank, start, restored, step, data, model, opt) -> None:
+def _final(out, rank, start, restored, step, data, model, opt, restore_s=0.0) -> None:
     from tests import _training as T
-    torch.save({"rank": rank, "start": start, "restored": restored, "step": step,
+    torch.save({"rank": rank, "start": start, "restored": restored, "step": step, "restore_s": restore_s,
                 "epoch": (data.epoch, data.position), "state": T.snapshot(model, opt), "rng": torch.get_rng_state()},
                os.path.join(out, f"final-{rank}-{time.time_ns()}.pt"))
 
@@ -86,7 +86,8 @@ def epoch_loop(config: dict) -> None:
     session = ray_ckpt.train.attach(net, opt, extra_state=data, report_every=0, compression_state=topk)
     step = _train(net, opt, data, rank=rank, start=session.start_step, config=config, kill=_kill_once)
     session.close()
-    _final(config["out"], rank, session.start_step, session.restored, step, data, model, opt)
+    _final(config["out"], rank, session.start_step, session.restored, step, data, model, opt,
+           session.restore_seconds)
 
 
 def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
