@@ -1,6 +1,9 @@
-"""The epoch-shaped train_loop_per_worker of the ResumableLoader Ray Train test (importable by Ray workers): an MLP
-with Dropout, SGD with momentum, ``prepare_model`` + ``prepare_data_loader`` over a plain shuffling ``DataLoader``
-without a generator of its own, the epoch loop of the Ray Train guide."""
+"""The epoch-shaped train_loop_per_worker of the Ray Train loader and rank-death tests (importable by Ray workers):
+an MLP with Dropout, SGD with momentum, ``prepare_model`` + ``prepare_data_loader`` over a plain shuffling
+``DataLoader`` without a generator of its own, the epoch loop of the Ray Train guide; optionally the top-k hook
+with error feedback. :func:`reference_worker` runs the same loop in torch.multiprocessing gloo ranks, without Ray
+Train and without ray_ckpt (``DistributedDataParallel`` and a ``DistributedSampler`` loader, as
+``prepare_model``/``prepare_data_loader`` build them on CPU): the uninterrupted run to compare with."""
 from __future__ import annotations
 
 import os
@@ -11,42 +14,104 @@ import torch
 ROWS, BATCH, EPOCHS = 256, 16, 3      # 2 workers: 128 rows each, 8 batches per epoch, 24 steps
 
 
-def epoch_loop(config: dict) -> None:
-    import ray.train
-    import ray.train.torch
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, TensorDataset
-
-    import ray_ckpt.train
-    from tests import _training as T
-    from tests._train_fn import _kill_once
-
-    torch.set_num_threads(1)
-    rank = ray.train.get_context().get_world_rank()
+def _data():
+    from torch.utils.data import TensorDataset
     g = torch.Generator().manual_seed(11)
-    ds = TensorDataset(torch.randn(ROWS, 32, generator=g), torch.randint(0, 10, (ROWS,), generator=g))
+    return TensorDataset(torch.randn(ROWS, 32, generator=g), torch.randint(0, 10, (ROWS,), generator=g))
+
+
+def _model():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(64, 10))
-    net = ray.train.torch.prepare_model(model)
-    torch.manual_seed(100 + rank)                       # each rank's own dropout stream
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = ray.train.torch.prepare_data_loader(DataLoader(ds, batch_size=BATCH, shuffle=True))
-    data = ray_ckpt.train.ResumableLoader(loader)
-    session = ray_ckpt.train.attach(net, opt, extra_state=data, report_every=0)
-    step = session.start_step
-    for _epoch in data.epochs(EPOCHS, start_step=session.start_step):
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                               torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                               torch.nn.Linear(64, 10))
+
+
+def _topk(net):
+    from ray_ckpt import compression
+    state = compression.TopKState(ratio=0.05, error_feedback=True)
+    net.register_comm_hook(state, compression.topk_hook)
+    return state
+
+
+def _train(net, opt, data, *, rank, start, config, kill=None):
+    """The epoch loop from ``start``; returns the step reached. ``config["progress"]``: after every step, write the
+    steps this rank completed in this attempt to ``<out>/progress-<rank>-<start>``."""
+    import torch.nn.functional as F
+    step = start
+    progress = os.path.join(config["out"], f"progress-{rank}-{start}") if config.get("progress") else None
+    for _epoch in data.epochs(EPOCHS, start_step=start):
         for x, y in data:
-            if step == config.get("kill_at") and rank == config.get("kill_rank"):
-                _kill_once(config["out"])
+            if kill is not None and step == config.get("kill_at") and rank == config.get("kill_rank"):
+                kill(config["out"])
             loss = F.cross_entropy(net(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
             step += 1
+            if progress is not None:
+                with open(progress, "w") as f:
+                    f.write(str(step))
             time.sleep(config.get("step_sleep", 0))
-    session.close()
-    torch.save({"rank": rank, "start": session.start_step, "restored": session.restored, "step": step,
+    return step
+
+
+def _final(out, rank, start, restored, step, data, model, opt, restore_s=0.0) -> None:
+    from tests import _training as T
+    torch.save({"rank": rank, "start": start, "restored": restored, "step": step, "restore_s": restore_s,
                 "epoch": (data.epoch, data.position), "state": T.snapshot(model, opt), "rng": torch.get_rng_state()},
-               os.path.join(config["out"], f"final-{rank}-{time.time_ns()}.pt"))
+               os.path.join(out, f"final-{rank}-{time.time_ns()}.pt"))
+
+
+def epoch_loop(config: dict) -> None:
+    import ray.train
+    import ray.train.torch
+    from torch.utils.data import DataLoader
+
+    import ray_ckpt.train
+    from tests._train_fn import _kill_once
+
+    torch.set_num_threads(1)
+    if "handoff_delay" in config:   # this worker's ray_ckpt config (the environment is the workers' own)
+        os.environ["RAY_CKPT_HANDOFF_DELAY"] = str(config["handoff_delay"])
+    rank = ray.train.get_context().get_world_rank()
+    ds = _data()
+    model = _model()
+    net = ray.train.torch.prepare_model(model)
+    topk = _topk(net) if config.get("topk") else None
+    torch.manual_seed(100 + rank)                       # each rank's own dropout stream
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = ray.train.torch.prepare_data_loader(DataLoader(ds, batch_size=BATCH, shuffle=True))
+    data = ray_ckpt.train.ResumableLoader(loader)
+    session = ray_ckpt.train.attach(net, opt, extra_state=data, report_every=0, compression_state=topk)
+    step = _train(net, opt, data, rank=rank, start=session.start_step, config=config, kill=_kill_once)
+    session.close()
+    _final(config["out"], rank, session.start_step, session.restored, step, data, model, opt,
+           session.restore_seconds)
+
+
+def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
+    """torch.multiprocessing entry: each config of ``configs`` in turn (``out``, ``topk``), the loop of
+    :func:`epoch_loop` uninterrupted, without Ray Train or ray_ckpt; writes the final state like it."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import ray_ckpt.train
+    from tests import _training as T
+
+    T.init_dist(rank, world, port)
+    try:
+        for config in configs:
+            ds = _data()
+            model = _model()
+            net = DistributedDataParallel(model)
+            if config.get("topk"):
+                _topk(net)
+            torch.manual_seed(100 + rank)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            loader = DataLoader(ds, batch_size=BATCH, shuffle=False, sampler=DistributedSampler(ds, shuffle=True))
+            data = ray_ckpt.train.ResumableLoader(loader)
+            step = _train(net, opt, data, rank=rank, start=0, config=config)
+            _final(config["out"], rank, 0, False, step, data, model, opt)
+    finally:
+        torch.distributed.destroy_process_group()

@@ -53,10 +53,14 @@ class RankLoopRecorder:
 
     Attaching writes the loop state at ``start_step`` synchronously (so a restart always finds the start of the
     generation); later records go through a writer thread in batches of ``batch_steps`` or what arrived within
-    ``max_batch_delay`` seconds, whichever comes first (the steps a restore can agree on are bounded by every rank's
-    written loop state: a batch held back for ``batch_steps`` slow steps would cost the whole group those steps
-    after a crash), with a loop-state full every ``full_every`` steps. Call :meth:`close` at the end of training
-    (flushes)."""
+    ``max_batch_delay`` seconds, whichever comes first, with a loop-state full every ``full_every`` steps.
+    :func:`ray_ckpt.train.attach` gives it the run's ``handoff_delay`` as ``max_batch_delay``: the cadence rank 0
+    hands its step records to the node's persistence worker at, so each rank's loop state keeps pace with the
+    step records (the step a restore can agree on is bounded by every rank's written loop state: a batch held
+    back longer would cost the whole group those steps after a crash). With ``max_batch_delay=0`` each record is
+    written as soon as it is captured; records that arrive while a write is in flight go into the next write
+    together, so a writer on slow storage never falls behind by more than one write. Call :meth:`close` at the
+    end of training (flushes)."""
 
     def __init__(self, storage, rank: int, model, optimizer, *, main_generation: int, start_step: int,
                  extra_state: Any = None, full_every: int = 100, batch_steps: int = 10,

@@ -235,11 +235,27 @@ class AsyncWriter(BoundedSink):
                     self._batch.append((item, size))
                     overdue = (self.max_batch_delay is not None
                                and time.monotonic() - self._batch_t0 >= self.max_batch_delay)
+                    if overdue and not close_batch:
+                        self._absorb_queued()   # what arrived during the last write goes into this one
                     if close_batch or self._pressure or overdue:
                         self._write_batch()
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self._fail(e, entry[0] if isinstance(entry, tuple) else None)
                 return
+
+    def _absorb_queued(self) -> None:
+        """Writer thread: move the step records queued right behind the batch into it (up to a full, a flush
+        marker or a record that closes its batch, included), so that a writer whose writes take longer than the
+        steps writes what piled up as one object instead of one object per record (and never falls behind)."""
+        with self._cv:
+            while self._queue:
+                item, size, close = self._queue[0]
+                if isinstance(item, (FlushMarker, FullState)):
+                    break
+                self._queue.popleft()
+                self._batch.append((item, size))
+                if close:
+                    break
 
     def _write_batch(self) -> None:
         if not self._batch:

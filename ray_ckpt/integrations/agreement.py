@@ -126,9 +126,11 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
     heads = group.all_gather("read their loop state", lambda: None if group.rank == 0 else
                              rankloop.rank_loop_head(storage, group.rank, generation))
     step = min([newest, *(h for h in heads if h is not None)])
-    if step != newest:
-        log.warning("ray_ckpt: restoring step %d, not the latest %d: a rank recorded its loop state only up to "
-                    "step %d", step, newest, step)
+    lost, why = explain_loss(newest, heads, step)
+    if lost:
+        log.warning("ray_ckpt: restoring step %d: %d step(s) lost (recomputed now): %s", step, lost, why)
+    else:
+        log.info("ray_ckpt: restoring step %d: %s", step, why)
     restored = _agree(group, restore_at, group.all_gather(f"restore step {step}", lambda: restore_at(step)))
     if restored != step:
         log.error("ray_ckpt: restored step %d instead of %d: objects were missing or corrupt (logged above); "
@@ -137,6 +139,31 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
                      lambda: _restore_own_loop(storage, group.rank, generation, restored,
                                                recorded=heads[group.rank] is not None, extra_state=extra_state))
     return restored, True
+
+
+def explain_loss(newest: int, heads: list, step: int) -> tuple[int, str]:
+    """``(steps lost, why)`` of restoring ``step`` when rank 0's lineage reaches ``newest`` and rank ``r > 0``
+    recorded its loop state up to ``heads[r]`` (None: not part of the saved world; ``heads[0]`` is ignored).
+    The steps lost are counted from the furthest step any rank recorded: the group reached at least that one,
+    while a step no rank recorded is unknown here (at most ``handoff_delay`` seconds or ``batch_steps`` steps of
+    training are captured but not yet handed off or written). Any process."""
+    recorded = {0: newest, **{r: h for r, h in enumerate(heads) if r > 0 and h is not None}}
+    reached = max(recorded.values())
+    lost = reached - step
+    behind = sorted(r for r, h in recorded.items() if h == step)
+    if not lost:
+        return 0, (f"every rank recorded it and none recorded a later step (work after step {step} that was "
+                   f"captured but not yet handed off, at most handoff_delay or batch_steps, is recomputed)")
+    ahead = ", ".join(f"rank {r} at {h}" for r, h in sorted(recorded.items()) if h > step)
+    causes = []
+    for r in behind:
+        if r == 0:
+            causes.append(f"rank 0's step records end at step {step} (its later records were not yet handed "
+                          f"off to the node's persistence worker or storage when the group stopped)")
+        else:
+            causes.append(f"rank {r} recorded its loop state only up to step {step} (its later records were not "
+                          f"yet written when the group stopped)")
+    return lost, f"the group reached at least step {reached} ({ahead}), but " + "; ".join(causes)
 
 
 def _latest(storage, run: str | None, runtime: str) -> tuple[int, int] | str:

@@ -182,7 +182,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
                               start_step=start, runtime="ray", run=run,
                               full_every=policy.full_every, batch_steps=policy.batch_steps)
         recorder = record_rank_loop(storage, rank, model, optimizer, ck, start=start, extra_state=extra_state,
-                                     full_every=policy.full_every, batch_steps=policy.batch_steps)
+                                     full_every=policy.full_every, batch_steps=policy.batch_steps,
+                                     handoff_delay=config.handoff_delay)
     every = policy.full_every if report_every is None else report_every
     session = TrainSession(start_step=start, restored=restored, run=run,
                            storage_uri=storage.describe(), world_rank=rank, checkpointer=ck,
@@ -192,9 +193,16 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     return session
 
 
-def record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state, full_every, batch_steps):
+def record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state, full_every, batch_steps,
+                     handoff_delay: float | None = None):
     """Ranks > 0 of a process group record their own loop state, tagged with rank 0's generation (broadcast:
-    collective). None on rank 0 and without a group. Training process."""
+    collective). None on rank 0 and without a group. Training process.
+
+    Their records are written within ``handoff_delay`` seconds (default: the configured ``handoff_delay``,
+    ``RAY_CKPT_HANDOFF_DELAY`` included) or ``batch_steps`` steps, whichever comes first: the cadence at which
+    rank 0 hands its step records over, so a rank's death costs the group no more steps than rank 0's would."""
+    if handoff_delay is None:
+        handoff_delay = CheckpointConfig.resolve().handoff_delay
     group = Collective()
     if group.world == 1:
         return None
@@ -203,7 +211,7 @@ def record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state,
         return None
     return RankLoopRecorder(storage, rank, unwrap(model), optimizer, main_generation=generation,
                             start_step=start, extra_state=extra_state, full_every=full_every,
-                            batch_steps=batch_steps)
+                            batch_steps=batch_steps, max_batch_delay=handoff_delay)
 
 
 def _resolve_storage(run: str, storage_uri, storage_options):
