@@ -548,9 +548,10 @@ class Coordinator:
                     open_any = open_any or bool(rec.get("unwritten"))
                 continue
             gen = rec["generation"]
+            # what it holds, and (once it is gone, the last reports before that included) what it received
             held = _union([], [(e.manifest.first_step, e.manifest.last_step) for e in self.entries.values()
-                               if node in e.holders and not e.durable and e.manifest.generation == gen]) \
-                if node in alive else []
+                               if (node in e.holders or e.origin == node) and not e.durable
+                               and e.manifest.generation == gen])
             held = _union(rec["held"], held)
             floor = self._durable_floor(gen)   # durable_diffs="fulls": a durable full covers the steps before it
             if floor is not None:
