@@ -288,3 +288,62 @@ def test_a_drain_too_short_for_the_durable_write_loses_nothing_a_surviving_node_
     o = T.make_optimizer("adamw", m)
     assert ray_ckpt.restore(root, m, o, step=got) == got         # storage alone, once it took the writes
     T.assert_same(ref[got], T.snapshot(m, o), "from storage alone")
+
+
+@pytest.mark.ray
+def test_the_state_tier_replica_moves_off_a_draining_node(ray_cluster, drain_run, tmp_path):
+    """The replica (placed on the node that drains) is restarted on a node that stays and rebuilds from the
+    lineage before the node goes; the chunks whose second copy was there are copied elsewhere; after the node is
+    removed the latest step restores from the moved replica with zero replay, bitwise."""
+    from ray_ckpt.runtime import naming
+    from ray_ckpt.runtime.client import load_via_coordinator
+    from ray_ckpt.runtime.replica import get_or_create_replica
+    run, uri = drain_run, str(tmp_path / "ckpt")
+    storage = open_storage(uri)
+    node = ray_cluster.add_node(num_cpus=1, object_store_memory=200 << 20)
+    ray_cluster.wait_for_nodes()
+    live = {n.node_id for n in ray_cluster.list_all_nodes()}
+    _wait(lambda: {n["NodeID"] for n in ray.nodes() if n.get("Alive")} == live, 60, "removed nodes to be dead")
+    replica, _ = get_or_create_replica(run, node.node_id, storage, full_every=1000, max_lag=100)
+    assert ray.get(replica.ping.remote(), timeout=120) == node.node_id
+    ref = _reference(60)
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    ck = ray_ckpt.Checkpointer(uri, model, opt, runtime="ray", run=run, full_every=1000, batch_steps=4,
+                               durable_diffs="fulls", policy="fixed")
+    removed = False
+    try:
+        for s in range(20):
+            T.train_step("mlp", model, opt, None, s)
+        _drain_gcs(ray_cluster, node.node_id, 30)
+        handle = ray.get_actor(naming.replica_name(run), namespace=naming.NAMESPACE)
+
+        def moved():
+            try:
+                st = ray.get(handle.status.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - restarting
+                return False
+            return st["node"] != node.node_id and st["ok"] and st["step"] is not None and st["step"] >= 20
+        for s in range(20, 40):
+            T.train_step("mlp", model, opt, None, s)
+            time.sleep(0.05)
+        _wait(moved, 120, "the replica to move off the draining node and catch up")
+        ray_cluster.remove_node(node)
+        removed = True
+        for s in range(40, 60):
+            T.train_step("mlp", model, opt, None, s)
+        ck.flush()
+    finally:
+        if not removed:
+            ray_cluster.remove_node(node)
+    _wait(lambda: ray.get(_coord(run).status.remote())["replica"]["step"] == 60, 120, "the replica at step 60")
+    chain, tiers = load_via_coordinator(storage, None, run=run)
+    assert chain.step == 60 and tiers["replica"] == 1 and tiers["replayed"] == 0, tiers
+    m = T.make_model("mlp", seed=5)
+    o = T.make_optimizer("adamw", m)
+    assert ray_ckpt.restore(uri, m, o, runtime="ray", run=run) == 60
+    T.assert_same(ref[60], T.snapshot(m, o), "latest after the replica moved")
+    rec = _wait(lambda: (lambda r: r if r and r.get("settled") else None)(
+        ray.get(_coord(run).drain_status.remote()).get(node.node_id)), 90, "the drain to settle")
+    assert rec["unsafe"] == [], rec
+    ck.close()
