@@ -241,14 +241,15 @@ class Checkpointer:
 
 
 def _watch_drains(runtime: Runtime, sink):
-    """``runtime="local"`` in a process connected to Ray: a watch of this node's drain state (a notice makes the
-    writer write every step at once); None otherwise (``runtime="ray"`` hears of drains from its coordinator).
-    Never imports Ray itself. Training thread, at attach."""
+    """In a process connected to Ray: a watch that turns drain notices into the sink's notice — this node's drain
+    (``runtime="local"``; ``runtime="ray"`` hears of it from its coordinator) and, in a Ray Train worker, a
+    preemption of any node of the worker group. None without Ray. Never imports Ray itself. Training thread, at
+    attach."""
     ray = sys.modules.get("ray")
-    if runtime is Runtime.RAY or ray is None or not ray.is_initialized():
+    if ray is None or not ray.is_initialized():
         return None
-    from ray_ckpt.runtime.drain import watch_node
-    return watch_node(sink)
+    from ray_ckpt.runtime.drain import watch_sink
+    return watch_sink(sink, node=runtime is not Runtime.RAY)
 
 
 def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: Runtime, impl,

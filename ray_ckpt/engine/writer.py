@@ -143,6 +143,11 @@ class BoundedSink:
             self._cv.notify_all()
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or the background thread ended)."""
+        return self._closing or not self._thread.is_alive()
+
+    @property
     def noticed(self) -> dict | None:
         """The drain notice in force (a copy), or None."""
         n = self._notice

@@ -446,12 +446,12 @@ class RaySink(BoundedSink):
         notice (every record handed over at once; near the deadline each step waits until it is safe)."""
         deadline = draining.get(self.node_id)
         if deadline is None:
-            if self._notice is not None:
+            if self._notice is not None and self._notice.get("source") == "node":
                 log.info("ray_ckpt: node %s no longer drains; batching again", self.node_id[:12])
                 self.notice(None)
             return
         if self._notice is None:
-            info = drain_watch.notice_info(self.node_id, deadline)
+            info = dict(drain_watch.notice_info(self.node_id, deadline), source="node")
             log.warning("ray_ckpt: this node (%s) is draining%s: every step is handed over at once, and within "
                         "%g s of the deadline each step waits until it is held on a node that stays",
                         self.node_id[:12], "" if not deadline else f" (deadline in {info['remaining_s']:.1f} s)",
