@@ -105,6 +105,39 @@ def test_a_notice_makes_the_local_writer_write_every_step_and_wait_near_the_dead
     T.assert_same(ref[17], T.snapshot(m, o), "step 17")
 
 
+def test_a_ray_train_group_preemption_reaches_every_ranks_writer(tmp_path, monkeypatch):
+    """A sink watch turns Ray Train's worker-local preemption info (any node of the group) into the sink's notice
+    and withdraws it when the info is gone; a node drain seen in the GCS does too (runtime="local"). No Ray is
+    started: the two sources are stand-ins here, the real ones are read by the Ray tests below."""
+    import types
+    from ray_ckpt.runtime import drain as drain_mod
+    monkeypatch.setattr(drain_mod.ray, "get_runtime_context",
+                        lambda: types.SimpleNamespace(get_node_id=lambda: "me" * 28))
+    group = {"info": None}
+    gcs = {}
+    monkeypatch.setattr(drain_mod, "train_group_preemption", lambda: group["info"])
+    monkeypatch.setattr(drain_mod, "draining_nodes", lambda: dict(gcs))
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    ck = ray_ckpt.Checkpointer(str(tmp_path / "ckpt"), model, opt, full_every=1000, batch_steps=50)
+    watch = drain_mod.SinkWatch(ck._sink, node=True, interval=0.05)
+    try:
+        group["info"] = dict(drain_mod.notice_info("other", int(time.time() * 1000) + 3_600_000),
+                             source="ray_train", nodes=["other"], ranks=[1])
+        got = _wait(ck.preempted, 10, "the group's preemption to reach the writer")
+        assert got["source"] == "ray_train" and got["ranks"] == [1] and got["remaining_s"] > 3000
+        group["info"] = None
+        _wait(lambda: ck.preempted() is None, 10, "the notice to be withdrawn")
+        gcs["me" * 28] = 0                                   # this node drains, no deadline: safe at every step
+        got = _wait(ck.preempted, 10, "the node's drain to reach the writer")
+        assert got["source"] == "node" and got["deadline_ms"] is None
+        T.train_step("mlp", model, opt, None, 0)
+        assert ck.last_committed_step == 1
+    finally:
+        watch.stop()
+        ck.close()
+
+
 # -- real drains -----------------------------------------------------------------------------------------------
 try:
     import ray
