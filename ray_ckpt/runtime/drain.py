@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -32,6 +33,8 @@ from ray_ckpt.runtime import naming
 
 log = logging.getLogger("ray_ckpt")
 
+#: the module of a Ray Train (V2) worker's own context, loaded in every Ray Train worker
+_TRAIN_CONTEXT = "ray.train.v2._internal.execution.context"
 #: seconds between two reads of the GCS drain state (one call each; nothing else happens while no node drains)
 POLL_S = float(os.environ.get("RAY_CKPT_DRAIN_POLL_S", "1.0"))
 
@@ -131,6 +134,8 @@ def train_group_preemption() -> dict | None:
     worker group drains; Ray Train restarts the whole group at the deadline), read from the worker's own context:
     what ``ray.train.get_preemption_info()`` returns, without its barrier across the group. None elsewhere, or
     when there is none. Training thread or any thread of the worker."""
+    if _TRAIN_CONTEXT not in sys.modules:   # not a Ray Train worker (never import Ray Train for this)
+        return None
     try:
         from ray.train.v2._internal.execution.context import get_train_context   # no public call without a barrier
         info = get_train_context().preemption_context.preemption_info
@@ -198,6 +203,6 @@ def SYNC_S() -> float:  # noqa: N802 - the engine's constant, read late (tests m
 
 def watch_sink(sink, *, node: bool) -> SinkWatch | None:
     """A :class:`SinkWatch` for ``sink`` when this process is connected to Ray (None otherwise)."""
-    if not ray.is_initialized():
-        return None
+    if not ray.is_initialized() or (not node and _TRAIN_CONTEXT not in sys.modules):
+        return None   # runtime="ray" outside Ray Train: the coordinator's control answer brings the node's drain
     return SinkWatch(sink, node)
