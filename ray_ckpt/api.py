@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -128,6 +129,7 @@ class Checkpointer:
             self._sink.submit(self._capture.snapshot_now())
             if self.runtime is Runtime.RAY:   # held on two nodes (durable on a one-node cluster) when attach returns
                 self._sink.wait_safe()
+        self._drain_watch = _watch_drains(self.runtime, self._sink)
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.uri, self.generation, start_step)
 
     def _follow_replica(self, optimizer, run, start_step: int) -> None:
@@ -191,7 +193,24 @@ class Checkpointer:
     def close(self, timeout: float | None = None) -> None:
         """Flush, detach the hooks, stop the writer and release the lease (each even when an earlier one
         fails). Idempotent."""
+        watch = getattr(self, "_drain_watch", None)
+        if watch is not None:
+            watch.stop()
         self._att.close(timeout)
+
+    def preempted(self) -> dict | None:
+        """The drain notice of this process's node, or None: ``{"node", "deadline_ms", "remaining_s"}``
+        (``deadline_ms`` in Unix milliseconds; both None when Ray gave no deadline). Any thread; no call to
+        Ray (a Ray Train worker may call it on one rank only, unlike ``ray.train.get_preemption_info()``).
+
+        Ray marks a node as draining when it is about to be preempted or removed (``ray drain-node``, the
+        autoscaler, a cloud's preemption handler). Nothing needs to be done about it: from the notice on every
+        step is handed over (written, with ``runtime="local"``) at once, and in the last seconds before the
+        deadline each step returns only once it is safe, so the process can be killed at the deadline without
+        losing a captured step; with ``runtime="ray"`` the run's actors make what the node holds safe on the
+        nodes that stay. Use this to act yourself, e.g. stop early and ``close()``. Needs a process connected
+        to Ray (always None otherwise)."""
+        return self._sink.noticed
 
     def stats(self) -> dict:
         """Counters for logs and benchmarks (training process). ``durable_lag_steps``: steps captured but not yet
@@ -236,6 +255,18 @@ class Checkpointer:
                 att.release(timeout=5)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _watch_drains(runtime: Runtime, sink):
+    """In a process connected to Ray: a watch that turns drain notices into the sink's notice — this node's drain
+    (``runtime="local"``; ``runtime="ray"`` hears of it from its coordinator) and, in a Ray Train worker, a
+    preemption of any node of the worker group. None without Ray. Never imports Ray itself. Training thread, at
+    attach."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    from ray_ckpt.runtime.drain import watch_sink
+    return watch_sink(sink, node=runtime is not Runtime.RAY)
 
 
 def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: Runtime, impl,

@@ -43,6 +43,7 @@ from ray_ckpt.engine.strategy import impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.container import CorruptObjectError
 from ray_ckpt.lineage import ManifestError, NoCheckpointError
+from ray_ckpt.lineage import drains as drain_records
 from ray_ckpt.lineage.layout import TIER_DIR
 from ray_ckpt.policy.adaptive import read_report
 from ray_ckpt.storage import StorageError, open_storage
@@ -122,13 +123,14 @@ def cmd_ls(storage, args) -> int:
                                       "bound": amber_tier.bound_text(incs[-1])}
     head = lineage.head()
     shards = _sharded_summary(storage)
+    drains = drain_records.read_records(storage)
     if not lineage.manifests and not bad and not shards and not args.json:
         print(f"ray-ckpt: no checkpoint lineage at {storage.describe()} (nothing committed there)",
               file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"uri": storage.describe(), "head": head, "generations": rows,
-                          "malformed_manifests": bad, "sharded": shards}, indent=2))
+                          "malformed_manifests": bad, "sharded": shards, "drains": drains}, indent=2))
         return 0
     for w in shards:
         print(f"{storage.describe()}: sharded state (FSDP2) of {w['world']} ranks: latest step complete on every "
@@ -154,6 +156,8 @@ def cmd_ls(storage, args) -> int:
         if a:
             print(f"    Amber tier ({TIER_DIR}): {a['increments_objects']} objects, {_human(a['bytes'])}; "
                   f"restorable from storage within the bound ({a['bound']}): steps {a['restorable']}")
+    for rec in drains:   # node drains (preemption notices) the run's coordinator saw, and what they cost
+        print(f"  {drain_records.describe(rec)}")
     for key in bad:
         print(f"  malformed manifest ignored: {key}")
     return 0 if head is not None else 1

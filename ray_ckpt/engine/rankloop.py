@@ -87,6 +87,11 @@ class RankLoopRecorder:
     def step(self) -> int:
         return self._capture.step
 
+    @property
+    def sink(self):
+        """The writer of this rank's loop state (a drain notice goes to it: see ``BoundedSink.notice``)."""
+        return self._att.sink
+
     def flush(self, timeout: float | None = None) -> None:
         self._att.flush(timeout)
 

@@ -35,6 +35,11 @@ from ray_ckpt.engine.lease import LeaseLost
 log = logging.getLogger("ray_ckpt")
 
 
+#: a drain notice (the node goes away at a deadline): within this many seconds of the deadline, and from the notice
+#: on when it names none, a step returns to the training loop only once it is safe (see BoundedSink.notice)
+SYNC_BEFORE_DEADLINE_S = 10.0
+
+
 class WriterError(RuntimeError):
     """The background writer failed; what was captured after the last commit is not durable."""
 
@@ -85,6 +90,8 @@ class BoundedSink:
         self._pressure = False
         self._error: BaseException | None = None
         self._closing = False
+        self._notice: dict | None = None          # a drain notice for this node (see notice)
+        self._notice_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
 
     def _run(self) -> None:
@@ -116,6 +123,43 @@ class BoundedSink:
             self._pending_bytes += size
             self._queue.append((item, size, close_batch))
             self._cv.notify_all()
+        if self._notice is not None and self._sync_due():
+            self._wait_noticed()
+
+    # -- drain notices ---------------------------------------------------------------------------------------
+    def notice(self, info: dict | None, deadline: float | None = None) -> None:
+        """This process's node drains (Ray will remove it; ``deadline`` on the monotonic clock, None: none given;
+        ``info`` is what :attr:`noticed` returns) or, with ``info=None``, no longer does. Any thread.
+
+        From the notice on, the background thread hands every step over at once instead of batching it; within
+        :data:`SYNC_BEFORE_DEADLINE_S` of the deadline (from the notice on without one), :meth:`submit` also
+        waits until the step is safe (:meth:`_wait_noticed`), so that a process killed at the deadline has lost
+        no step it captured. What that costs the training thread is one write (or hand-off) per step, only then."""
+        with self._cv:
+            if info is None:
+                self._notice, self._notice_deadline = None, None
+            else:
+                self._notice, self._notice_deadline = dict(info), deadline
+            self._cv.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or the background thread ended)."""
+        return self._closing or not self._thread.is_alive()
+
+    @property
+    def noticed(self) -> dict | None:
+        """The drain notice in force (a copy), or None."""
+        n = self._notice
+        return None if n is None else dict(n)
+
+    def _sync_due(self) -> bool:
+        d = self._notice_deadline
+        return d is None or time.monotonic() >= d - SYNC_BEFORE_DEADLINE_S
+
+    def _wait_noticed(self) -> None:
+        """Training thread, under a drain notice: return once everything submitted is safe. Here: written."""
+        self.flush()
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once everything submitted so far is handled (training thread; blocks)."""
@@ -237,7 +281,7 @@ class AsyncWriter(BoundedSink):
                                and time.monotonic() - self._batch_t0 >= self.max_batch_delay)
                     if overdue and not close_batch:
                         self._absorb_queued()   # what arrived during the last write goes into this one
-                    if close_batch or self._pressure or overdue:
+                    if close_batch or self._pressure or overdue or self._notice is not None:
                         self._write_batch()
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self._fail(e, entry[0] if isinstance(entry, tuple) else None)

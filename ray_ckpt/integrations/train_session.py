@@ -24,6 +24,7 @@ from ray_ckpt.api import Checkpointer
 from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.engine.loopstate import as_stateful
 from ray_ckpt.engine.rankloop import RankLoopRecorder
+from ray_ckpt.runtime.drain import watch_sink
 from ray_ckpt.engine.targets import check_params, unwrap
 from ray_ckpt.integrations.agreement import Collective, agreed_restore, sharded_agreed_restore
 from ray_ckpt.integrations.compression import ResidualState
@@ -184,6 +185,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
         recorder = record_rank_loop(storage, rank, model, optimizer, ck, start=start, extra_state=extra_state,
                                      full_every=policy.full_every, batch_steps=policy.batch_steps,
                                      handoff_delay=config.handoff_delay)
+        if recorder is not None:   # Ray Train restarts every rank at a preemption's deadline: each writes in time
+            watch_sink(recorder.sink, node=False)
     every = policy.full_every if report_every is None else report_every
     session = TrainSession(start_step=start, restored=restored, run=run,
                            storage_uri=storage.describe(), world_rank=rank, checkpointer=ck,

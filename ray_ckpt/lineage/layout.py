@@ -37,6 +37,9 @@ RANKS_DIR = "ranks/"
 SHARDS_DIR = "shards/"
 #: the Amber tier of a LowDiff+ run: a lineage of increments of its own (:mod:`ray_ckpt.engine.amber_tier`)
 TIER_DIR = "tiers/amber/"
+#: node drains (preemption notices) seen by the run's coordinator: one record per drain, ``drains/<ms>-<node>.json``,
+#: saying which steps the draining node held and how they were made safe (:mod:`ray_ckpt.lineage.drains`)
+DRAINS_DIR = "drains/"
 #: the description file in an export directory (:mod:`ray_ckpt.engine.export`; not a key under the root)
 INFO_FILE = "ray_ckpt_export.json"
 #: between a run's name and ``w<world>-r<rank>`` in the name of a shard run (the Ray runtime's run of one shard

@@ -41,8 +41,10 @@ from ray_ckpt.policy import adaptive as _adaptive
 from ray_ckpt.lineage import index as _lineage_index
 from ray_ckpt.engine.lease import Lease, LeaseLost
 from ray_ckpt.runtime import metrics as _metrics
+from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.placement import prefer_node
+from ray_ckpt.lineage import drains as drain_records
 
 log = logging.getLogger("ray_ckpt")
 
@@ -107,6 +109,9 @@ class Coordinator:
         self._changes = 0            # reports and failures seen (publish_metrics computes only after changes)
         self._published_changes = -1
         threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
+        self.drains: dict[str, dict] = {}        # node -> its drain record (lineage/drains.py), see drains_changed
+        self._draining: dict[str, int] = {}      # the GCS drain state: node -> deadline ms (0: none)
+        self._drain_watch = drain_watch.start_coordinator_watch(run)
         # the adaptive policy: fed by commits and failures; pinned values never change
         self.tuner = _adaptive.make_tuner(full_every, batch_steps, started_at=self.started_at,
                                           **(policy_options or {}))
@@ -450,7 +455,7 @@ class Coordinator:
         for g in gaps:
             g["told"] = True
         return {"want_full": want, "delegate": self._replica_usable(generation, max_age=1.0),
-                "gaps": [(g["first"], g["last"]) for g in gaps]}
+                "gaps": [(g["first"], g["last"]) for g in gaps], "draining": dict(self._draining)}
 
     def request_full(self, generation: int, reason: str) -> None:
         """Ask the trainer of ``generation`` for a full at its next step (e.g. the replica restarted)."""
@@ -465,6 +470,131 @@ class Coordinator:
                 del self.entries[name]
                 lost.append(name)
         return lost
+
+    # -- node drains (preemption notices, runtime/drain.py) ---------------------------------------------------------
+    def drains_changed(self, drains: dict) -> None:
+        """The GCS drain state changed to ``drains`` (``{node: deadline_ms}``; from this actor's drain watch).
+
+        A new drain is logged (WARNING), recorded on storage (``drains/``, shown by ``ray-ckpt ls``) and told to
+        every live node worker (:meth:`PersistenceWorker.drain_notice`: peers among the nodes that stay, the
+        draining node writes what it holds at once, chunks whose second copy is there are copied elsewhere); a
+        state-tier replica on a draining node is restarted elsewhere (Ray places nothing new on a draining
+        node) and rebuilds itself from the lineage. The training processes hear of it through :meth:`control`."""
+        self._draining = {str(n): int(d or 0) for n, d in drains.items()}
+        now_ms = int(time.time() * 1000)
+        new = [n for n in self._draining if n not in self.drains or self.drains[n]["status"] == "cancelled"]
+        for node, rec in self.drains.items():
+            if node not in self._draining and rec["status"] in ("draining", "safe") \
+                    and node in self._alive_nodes():
+                rec["status"] = "cancelled"
+                rec["settled"] = True
+                self._write_drain(rec)
+        for node in new:
+            deadline = self._draining[node]
+            self.drains[node] = rec = {"node": node, "noticed_ms": now_ms, "deadline_ms": deadline,
+                                       "generation": self._last_generation, "status": "draining",
+                                       "held": [], "durable": [], "peer": [], "unsafe": []}
+            log.warning("ray_ckpt coordinator: run %r: node %s is draining (%s): making the steps it holds safe on "
+                        "the nodes that stay", self.run, node[:12],
+                        f"deadline in {deadline / 1000.0 - now_ms / 1000.0:.1f} s" if deadline else "no deadline")
+            self._write_drain(rec)
+        if not new:
+            return
+        for node in self._alive_nodes():
+            worker = drain_watch.worker_handle(self.run, node)
+            if worker is not None:
+                worker.drain_notice.remote(self._draining)
+        self._move_replica()
+        self.drain_progress()
+
+    def _move_replica(self) -> None:
+        """A state-tier replica on a draining node is restarted on a node that stays (soft affinity: Ray avoids
+        draining nodes) and rebuilds itself from the lineage; the trainer takes fulls meanwhile."""
+        if self.replica is None:
+            self._ask_replica()
+        r = self.replica
+        if r is None or r.node not in self._draining:
+            return
+        try:
+            handle = ray.get_actor(naming.replica_name(self.run), namespace=naming.NAMESPACE)
+        except ValueError:
+            return
+        log.warning("ray_ckpt coordinator: run %r: the state-tier replica is on draining node %s: restarting it on "
+                    "a node that stays (it rebuilds from the lineage; the trainer takes fulls meanwhile)",
+                    self.run, r.node[:12])
+        ray.kill(handle, no_restart=False)
+        self.replica = _Replica(r.generation, r.step, r.node, False, "moving off a draining node")
+
+    def drain_progress(self) -> bool:
+        """Account for every open drain (each poll of the drain watch while one is open): which of the steps the
+        draining node holds (not durable) are durable, held on a node that stays, or neither; the record on
+        storage is rewritten when that changes. Once the node is gone, what only a surviving node holds is
+        written to storage (:meth:`_heal`) and the record closes when nothing is left to make durable (or after
+        a minute). Returns whether a drain is still open."""
+        if not any(not rec.get("settled") or rec.get("unwritten") for rec in self.drains.values()):
+            return False
+        alive = self._alive_nodes()
+        if any(n not in alive for n, rec in self.drains.items() if not rec.get("settled")):
+            self._forget_dead_nodes()   # the drained node is gone: survivors persist what they hold of it
+        durable_lin = self._lineage(True)
+        staying = {n for n in alive if n not in self._draining}
+        safe_lin = Lineage([e.manifest for e in self.entries.values()
+                            if e.durable or any(n in staying for n in e.holders)])
+        open_any = False
+        for node, rec in self.drains.items():
+            if rec.get("settled"):
+                if rec.get("unwritten"):
+                    self._write_drain(rec)
+                    open_any = open_any or bool(rec.get("unwritten"))
+                continue
+            gen = rec["generation"]
+            # what it holds, and (once it is gone, the last reports before that included) what it received
+            held = _union([], [(e.manifest.first_step, e.manifest.last_step) for e in self.entries.values()
+                               if (node in e.holders or e.origin == node) and not e.durable
+                               and e.manifest.generation == gen])
+            held = _union(rec["held"], held)
+            floor = self._durable_floor(gen)   # durable_diffs="fulls": a durable full covers the steps before it
+            if floor is not None:
+                held = range_difference(held, [(0, floor)])
+            durable = _intersect(held, durable_lin.reachable_ranges(gen))
+            rest = range_difference(held, durable)
+            peer = _intersect(rest, safe_lin.reachable_ranges(gen))
+            unsafe = range_difference(rest, peer)
+            before = {k: rec[k] for k in ("held", "durable", "peer", "unsafe", "status")}
+            rec.update(held=[list(r) for r in held], durable=[list(r) for r in durable],
+                       peer=[list(r) for r in peer], unsafe=[list(r) for r in unsafe])
+            if node in alive:
+                rec["status"] = "safe" if not unsafe else "draining"
+            else:
+                if rec["status"] != "node gone":
+                    rec["gone_ms"] = int(time.time() * 1000)
+                    (log.warning if unsafe else log.info)(
+                        "ray_ckpt coordinator: run %r: %s", self.run, drain_records.describe({**rec,
+                                                                                              "status": "node gone"}))
+                rec["status"] = "node gone"
+                if not peer or time.time() * 1000 - rec["gone_ms"] > 60_000:
+                    rec["settled"] = True
+            changed = before != {k: rec[k] for k in before}
+            if before["status"] != "safe" and rec["status"] == "safe":
+                log.info("ray_ckpt coordinator: run %r: %s", self.run, drain_records.describe(rec))
+            if changed or rec.get("unwritten"):
+                self._write_drain(rec)
+            open_any = open_any or not rec.get("settled")
+        return open_any
+
+    def _write_drain(self, rec: dict) -> None:
+        """The drain record on storage (a failed write is retried at the next poll)."""
+        rec["updated_ms"] = int(time.time() * 1000)
+        try:
+            drain_records.write_record(self.storage, {k: v for k, v in rec.items() if k != "unwritten"})
+            rec.pop("unwritten", None)
+        except Exception as e:  # noqa: BLE001 - storage outage: the record is written when it is back
+            rec["unwritten"] = True
+            log.info("ray_ckpt coordinator: drain record not written yet: %s", e)
+
+    def drain_status(self) -> dict:
+        """``{node: record}`` of the drains this coordinator saw (what ``drains/`` on storage says)."""
+        return {n: {k: v for k, v in rec.items() if k != "unwritten"} for n, rec in self.drains.items()}
 
     # -- API for training processes and the driver ----------------------------------------------------------------
     def new_generation(self) -> int:
@@ -644,6 +774,22 @@ def _runs(steps: list[int]) -> list[tuple[int, int]]:
         else:
             out.append((s, s))
     return out
+
+
+def _union(a: list, b: list) -> list[tuple[int, int]]:
+    """The union of two lists of step ranges, as sorted disjoint ranges."""
+    out: list[tuple[int, int]] = []
+    for x, y in sorted([tuple(r) for r in a] + [tuple(r) for r in b]):
+        if out and x <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], y))
+        else:
+            out.append((x, y))
+    return out
+
+
+def _intersect(a: list, b: list) -> list[tuple[int, int]]:
+    """The steps in both ``a`` and ``b`` (lists of ranges)."""
+    return range_difference(_union(a, []), range_difference(_union(a, []), _union(b, [])))
 
 
 def _head_node_affinity():

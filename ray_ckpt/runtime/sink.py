@@ -40,12 +40,13 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
-from ray_ckpt.engine.writer import BoundedSink, WriterError, FlushMarker
+from ray_ckpt.engine.writer import SYNC_BEFORE_DEADLINE_S, BoundedSink, FlushMarker, WriterError
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.runtime import metrics as _metrics
+from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.worker import get_or_create_worker
 
@@ -247,7 +248,8 @@ class RaySink(BoundedSink):
                         # slow steps (records further apart than handoff_delay): waiting would batch nothing
                         # and only widen what a crash of this process loses, so hand the record over at once
                         slow = gap_ewma is not None and gap_ewma > self.handoff_delay
-                        if close_batch or len(chunk) >= self.batch_steps or self._pressure or slow:
+                        if close_batch or len(chunk) >= self.batch_steps or self._pressure or slow \
+                                or self._notice is not None:   # a drain notice: nothing waits to be batched
                             self._handoff(chunk)
                             chunk = []
                 elif chunk and time.monotonic() >= chunk_t0 + self.handoff_delay:
@@ -428,6 +430,7 @@ class RaySink(BoundedSink):
                                     "cannot be restored; taking a full checkpoint now", first, last, self.run)
                     if got["want_full"]:
                         self._control["want_full"] = True
+                    self._drain_control(got.get("draining") or {})
                 except Exception as e:  # noqa: BLE001 - the coordinator restarts: keep the last answer
                     log.debug("ray_ckpt: coordinator control unavailable: %s", e)
                 self._control_ref = None
@@ -437,6 +440,28 @@ class RaySink(BoundedSink):
                 self._control_ref = self._coordinator.control.remote(self.generation)
             except Exception:  # noqa: BLE001
                 self._control_ref = None
+
+    def _drain_control(self, draining: dict) -> None:
+        """Sender thread: the coordinator's view of the draining nodes; a drain of this node becomes the sink's
+        notice (every record handed over at once; near the deadline each step waits until it is safe)."""
+        deadline = draining.get(self.node_id)
+        if deadline is None:
+            if self._notice is not None and self._notice.get("source") == "node":
+                log.info("ray_ckpt: node %s no longer drains; batching again", self.node_id[:12])
+                self.notice(None)
+            return
+        if self._notice is None:
+            info = dict(drain_watch.notice_info(self.node_id, deadline), source="node")
+            log.warning("ray_ckpt: this node (%s) is draining%s: every step is handed over at once, and within "
+                        "%g s of the deadline each step waits until it is held on a node that stays",
+                        self.node_id[:12], "" if not deadline else f" (deadline in {info['remaining_s']:.1f} s)",
+                        SYNC_BEFORE_DEADLINE_S)
+            self.notice(info, drain_watch.deadline_monotonic(deadline))
+
+    def _wait_noticed(self) -> None:
+        """Training thread, under a drain notice: return once everything submitted is safe (held on two nodes,
+        the second one staying, or durable)."""
+        self.wait_safe()
 
     def _wait_safe(self) -> None:
         self._drain_inflight()

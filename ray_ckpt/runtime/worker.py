@@ -51,6 +51,7 @@ from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.buffers import as_buffers
+from ray_ckpt.runtime.drain import draining_nodes
 from ray_ckpt.storage.retry import RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
@@ -128,6 +129,8 @@ class PersistenceWorker:
         self._replica_calls: dict = {}                # ObjectRef of hold_replica -> (name, peer node)
         self._newly_safe: dict[int, list[str]] = {}   # gen -> names safe since the last answer
         self._peer_cache: tuple[float, object, str] | None = None
+        self._draining: dict[str, int] = {}           # node drains (node -> deadline ms), see drain_notice
+        self._drain_self = False                      # this node drains: write everything it received now
         self._replica_cache: tuple[float, object] | None = None
         for target, name in ((self._write_loop, "ray_ckpt-persist"), (self._report_loop, "ray_ckpt-report")):
             threading.Thread(target=target, daemon=True, name=name).start()
@@ -188,6 +191,7 @@ class PersistenceWorker:
             return self._peer_cache[1], self._peer_cache[2]
         alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
         others = [n for n in alive if n > self.node_id] + [n for n in alive if n < self.node_id]
+        others = _staying(others, self._refresh_draining())
         peer = get_or_create_worker(self.run, others[0], self.storage, self.memory_budget,
                                     self._retry_policy.budget_s) if others else None
         self._peer_cache = (now, peer, others[0] if others else "")
@@ -377,6 +381,52 @@ class PersistenceWorker:
     def ping(self) -> str:
         return self.node_id
 
+    # -- node drains (preemption notices, :mod:`ray_ckpt.runtime.drain`) ------------------------------------------
+    def drain_notice(self, drains: dict) -> dict:
+        """Ray drains the nodes ``drains`` (``{node: deadline_ms}``), from the coordinator. Peers are chosen among
+        the nodes that stay from now on; when this node drains, everything it received is written at once
+        (lazy diffs included) and so is what arrives until it is gone; every chunk received here whose second copy
+        is not acknowledged yet, or is on a draining node, is copied to a node that stays. Returns
+        ``{"node", "draining_self", "copied": chunks sent to a new peer}``."""
+        with self._cv:
+            self._draining = {str(n): int(d) for n, d in drains.items()}
+            self._peer_cache = None
+            was, self._drain_self = self._drain_self, self.node_id in self._draining
+            self._cv.notify_all()
+        if self._drain_self and not was:
+            log.warning("ray_ckpt: node %s is draining (deadline %s): writing everything it holds now",
+                        self.node_id[:12], self._draining[self.node_id] or "none")
+        peer, peer_node = self._peer()
+        copied = 0
+        if peer is not None and peer_node not in self._draining:
+            with self._cv:
+                inflight = {name for name, _ in self._replica_calls.values()}
+                todo = [h for n, h in self._held.items() if not h.replica and not h.durable and n not in inflight
+                        and (h.peer is None or h.peer in self._draining)]
+            for h in todo:
+                call = peer.hold_replica.remote(h.manifest.to_json(), [h.ref], self.node_id)
+                with self._cv:
+                    h.peer = None
+                    self._replica_calls[call] = (h.manifest.name, peer_node)
+                copied += 1
+            if copied:
+                log.info("ray_ckpt: node %s copies %d chunks to node %s (their second copy was on a draining "
+                         "node or not acknowledged)", self.node_id[:12], copied, peer_node[:12])
+        self._stats["drain_copies"] += copied
+        return {"node": self.node_id, "draining_self": self._drain_self, "copied": copied}
+
+    def _refresh_draining(self) -> dict:
+        """The drain state as the GCS has it (asked when the peer is chosen again, every few seconds): a worker
+        created after a notice, or one whose notice was lost, still avoids draining peers."""
+        got = draining_nodes()
+        with self._cv:
+            self._draining = got
+            if got:
+                if self.node_id in got and not self._drain_self:
+                    self._drain_self = True
+                    log.warning("ray_ckpt: node %s is draining: writing everything it holds now", self.node_id[:12])
+            return dict(self._draining)
+
     # -- report thread: coordinator messages, replication acknowledgements -----------------------------------------
     def _report_loop(self) -> None:
         deltas = _metrics.CounterDeltas({"run": self.run, "node": self.node_id[:12]})
@@ -486,7 +536,7 @@ class PersistenceWorker:
             return None
         if self._fulls:
             return "full", self._fulls.popleft()
-        urgent = self._flush_requested > 0 or self._held_bytes > self.memory_budget
+        urgent = self._flush_requested > 0 or self._held_bytes > self.memory_budget or self._drain_self
         now = time.monotonic()
         for gen, chunks in self._pending.items():
             if not chunks:
@@ -578,6 +628,11 @@ class PersistenceWorker:
                 ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).mark_durable.remote(names)
             except ValueError:
                 pass
+
+
+def _staying(nodes: list[str], draining: dict) -> list[str]:
+    """``nodes`` without the draining ones, in the same order (all of them when every one drains)."""
+    return [n for n in nodes if n not in draining] or nodes
 
 
 def _lazy(m: Manifest) -> bool:
