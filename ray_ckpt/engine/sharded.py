@@ -37,8 +37,14 @@ into the live DTensors' local shards and the optimizer. Loop state (param groups
 the rank's own when the saved world had that rank, else rank 0's with RNG streams derived from it and the rank
 (:func:`ray_ckpt.engine.loopstate.derive_rng`).
 
+**Consolidation** (:func:`gather_sharded`, :func:`restore_consolidated`; one process, no process group): an
+unsharded model and optimizer restored from the root (``ray_ckpt.restore``), an export of the root and the CLI
+read every saved rank's chain of the agreed step in turn, replay it and copy it into its chunk of the global
+tensors: bitwise the run's gathered state, loop state rank 0's.
+
 Supported: 1-D meshes with ``Shard(d)`` placements, 2-D HSDP meshes with ``Replicate() x Shard(d)``, optimizers
-whose state tensors have their parameter's shape or are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"`` every shard lineage is a run of its own
+whose state tensors have their parameter's shape or are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"``
+every shard lineage is a run of its own
 (:func:`shard_run`: its coordinator, node workers and state-tier replica), and restores go through the shard
 runs (:class:`ray_ckpt.runtime.client.ShardedMemoryTier`). Where calls run: the training process of each rank.
 """
@@ -439,7 +445,6 @@ def _as_like(value: torch.Tensor, p) -> Any:
                               run_check=False, shape=p.shape, stride=p.stride())
 
 
-
 # ------------------------------------------------------------------------------------------------------------
 # Consolidation: the saved shards of one step gathered into the unsharded state, in one process without a process
 # group (a restore into an unsharded model, export, the CLI).
@@ -477,14 +482,19 @@ def shard_of(layout: dict | None) -> dict | None:
     return (layout or {}).get("sharding")
 
 
+_warned_cpu_replay = False   # the warning of a CUDA run replayed on the CPU: once per process
+
+
 def replay_device(layout: dict | None) -> torch.device:
     """Where a process without the training devices replays a saved shard: on the kind of device the run trained
     on when this process has one (the same kernels as the run: bitwise), else on the CPU (a CUDA run's replayed
     steps may then differ from the run's in the last bits; logged)."""
+    global _warned_cpu_replay
     kind = (layout or {}).get("device", "cpu")
     if kind == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    if kind == "cuda":
+    if kind == "cuda" and not _warned_cpu_replay:
+        _warned_cpu_replay = True
         log.warning("ray_ckpt: the run trained on CUDA and this process has no GPU: its shards are replayed on the "
                     "CPU (fulls are exact; replayed steps may differ from the run's in the last bits)")
     return torch.device("cpu")
