@@ -117,7 +117,8 @@ def _worker(rank: int, cell: dict, out: dict) -> None:
                         + [float(st["capture_seconds"] - st0["capture_seconds"])], dtype=torch.float64)
     dist.all_reduce(mine)   # every rank's shard: the bytes of the whole step
     out.update(diff_bytes_per_step=float(mine[0]) / steps, full_bytes_per_step=float(mine[1]) / steps,
-               fulls=int(mine[2]) // writers, capture_ms_per_step=1e3 * float(mine[3]) / steps / writers,
+               fulls=float(mine[2]) / writers,   # per shard (each rank's policy takes its own)
+               capture_ms_per_step=1e3 * float(mine[3]) / steps / writers,
                dcp_bytes_per_step=(saver.bytes - bytes0) / max(1, saver.saves - saves0))
     ck.close()
     dist.barrier()
@@ -202,8 +203,8 @@ def markdown(result: dict) -> str:
              f"(order rotating); reference step {c['step_s_ref_median']:.3f} s.", "",
              "| every step | overhead, wall (median, 95% CI) | training-thread CPU | bytes persisted per step |",
              "|---|---:|---:|---:|",
-             f"| ray_ckpt shards (LowDiff, runtime={c.get('runtime', 'local')!r}, default policy; {c['fulls']} "
-             f"fulls) | {_overhead(c, 'ray_ckpt_wall')} | "
+             f"| ray_ckpt shards (LowDiff, runtime={c.get('runtime', 'local')!r}, default policy; {c['fulls']:g} "
+             f"fulls per shard) | {_overhead(c, 'ray_ckpt_wall')} | "
              f"{_overhead(c, 'ray_ckpt_thread_cpu')} | {c['ray_ckpt_bytes_per_step'] / mb:.2f} MB "
              f"({(c['diff_bytes_per_step'] or 0) / mb:.2f} MB diffs"
              + (f"; a full {c['bytes_per_full'] / mb:.0f} MB" if c.get("bytes_per_full") else "") + ") |",
