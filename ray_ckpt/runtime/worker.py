@@ -125,6 +125,7 @@ class PersistenceWorker:
         self._reports: list = []                      # messages for the coordinator, in order
         self._reports_sending = False                 # taken from _reports, update() not submitted yet
         self._last_update = None                      # ObjectRef of the newest update() call
+        self._report_interval = _REPORT_INTERVAL_S    # as the coordinator asks (its answer to update())
         self._replica_calls: dict = {}                # ObjectRef of hold_replica -> (name, peer node)
         self._newly_safe: dict[int, list[str]] = {}   # gen -> names safe since the last answer
         self._peer_cache: tuple[float, object, str] | None = None
@@ -406,7 +407,8 @@ class PersistenceWorker:
             if msgs:
                 ref = None
                 try:
-                    ref = self._coord().update.remote(self.node_id, msgs)
+                    self._report_interval = answered_interval(self._last_update, self._report_interval)
+                    ref = self._coord().update.remote(self.node_id, pack_reports(msgs))
                     self._stats["coordinator_calls"] += 1
                 except Exception as e:  # noqa: BLE001 - the coordinator is restarting: it rebuilds from inventories
                     log.warning("ray_ckpt: coordinator unreachable (%s); it will rebuild from inventories", e)
@@ -415,7 +417,10 @@ class PersistenceWorker:
                     self._last_update = ref
                     self._reports_sending = False
                     self._cv.notify_all()
-            time.sleep(_REPORT_INTERVAL_S)
+            with self._cv:   # a flush does not wait out a long interval (a wide job's)
+                self._cv.wait_for(lambda: self._flush_requested > 0, timeout=self._report_interval)
+            if self._flush_requested > 0:
+                time.sleep(_REPORT_INTERVAL_S)
 
     def _mark_safe(self, names: list[str], peer: str | None = None) -> None:
         with self._cv:
@@ -578,6 +583,43 @@ class PersistenceWorker:
                 ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).mark_durable.remote(names)
             except ValueError:
                 pass
+
+
+def pack_reports(msgs: list) -> list:
+    """The messages of one update call with every run of consecutive ``held`` messages packed into one
+    ``("held_batch", [(manifest_json, ref, origin), ...])`` and every run of consecutive ``release`` messages
+    joined into one (the order of all other messages kept: a release still follows the hold it releases).
+    Worker's report thread, and the scale benchmark's simulated nodes."""
+    out: list = []
+    for msg in msgs:
+        kind = msg[0]
+        last = out[-1][0] if out else None
+        if kind == "held":
+            if last == "held_batch":
+                out[-1][1].append(msg[1:])
+            else:
+                out.append(("held_batch", [msg[1:]]))
+        elif kind == "release" and last == "release":
+            out[-1] = ("release", list(out[-1][1]) + list(msg[1]))
+        else:
+            out.append(msg)
+    return [("held",) + o[1][0] if o[0] == "held_batch" and len(o[1]) == 1 else o for o in out]
+
+
+def answered_interval(ref, current: float) -> float:
+    """The report interval the coordinator asked for in its answer to the update call ``ref`` (its answers are
+    ready by the next report in a narrow job), else ``current``. Never waits."""
+    if ref is None:
+        return current
+    try:
+        ready, _ = ray.wait([ref], timeout=0)
+        if ready:
+            got = ray.get(ready[0])
+            if isinstance(got, (int, float)) and got > 0:
+                return min(float(got), 10.0)
+    except Exception:  # noqa: BLE001 - a restarting coordinator: keep the interval
+        pass
+    return current
 
 
 def _lazy(m: Manifest) -> bool:
