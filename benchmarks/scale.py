@@ -21,9 +21,10 @@ Workloads: ``ranks`` — every rank checkpoints its own lineage through its node
 step range, since the coordinator keeps one lineage per run); ``ddp`` — what a data-parallel job sends today:
 world rank 0's chunks, held on its node and on the next one, every node's worker started.
 
-Modes: ``before`` — the report path as it was (one call per node every 50 ms, a tuple per message);
-``after`` — :func:`ray_ckpt.runtime.worker.pack_reports` and the interval the coordinator answers
-(:meth:`~ray_ckpt.runtime.coordinator.Coordinator.report_interval`, ``REPORT_CALLS_PER_S`` calls a second in all).
+Modes: ``before`` — the report path as it was (one call per node every 50 ms, a tuple per message, manifests as
+JSON the coordinator parses); ``after`` — manifests as objects, :func:`ray_ckpt.runtime.worker.pack_reports`,
+one update call in flight per worker (the next waits for the answer) and the interval the coordinator answers (:meth:`~ray_ckpt.runtime.coordinator.Coordinator.report_interval`,
+``REPORT_CALLS_PER_S`` calls a second in all).
 
 Runs on a private local Ray through :func:`benchmarks.harness.private_ray`. Writes ``scale.json``/``.md``/``.png``
 (``--quick``: ``scale_quick.*``) to ``--out``.
@@ -33,6 +34,7 @@ Runs on a private local Ray through :func:`benchmarks.harness.private_ray`. Writ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import os
 import platform
@@ -46,7 +48,7 @@ from benchmarks import harness, report
 
 from ray_ckpt.lineage import Lineage, Manifest, diff_name, full_name, object_key
 from ray_ckpt.runtime import worker as _worker
-from ray_ckpt.runtime.coordinator import Coordinator
+from ray_ckpt.runtime.coordinator import REPORT_CALLS_PER_S, Coordinator
 
 STEP_BASE = 10 ** 8          #: the step range of each rank's lineage (rank stream s: steps from s * STEP_BASE)
 CONTROL_S = 0.5              #: the sender's control poll (runtime/sink.py _CONTROL_S)
@@ -73,16 +75,19 @@ class SimJob:
     chunks of each stream and releases older durable ones (what its memory budget does in a steady state).
     ``workload="ddp"``: one stream (world rank 0), every node started. Deterministic: :meth:`emit` returns the
     ``(node, message)`` pairs of one chunk. ``refs``: what stands for the object refs (a cycle of them;
-    ``["tagged"]``: the string ``"<node>:<name>"``)."""
+    ``["tagged"]``: the string ``"<node>:<name>"``). ``manifest_objects``: manifests travel as objects, as the
+    worker sends them now (else as JSON bytes, as before)."""
 
     def __init__(self, nodes: list[str], ranks: int, *, workload: str = "ranks", chunk_steps: int = 2,
-                 batch_steps: int = 10, full_every: int = 100, hold_chunks: int = 20, refs=(None,)):
+                 batch_steps: int = 10, full_every: int = 100, hold_chunks: int = 20, refs=(None,),
+                 manifest_objects: bool = False):
         if workload not in ("ranks", "ddp"):
             raise ValueError(f"workload must be 'ranks' or 'ddp', got {workload!r}")
         self.nodes, self.ranks, self.workload = list(nodes), ranks, workload
         self.chunk_steps, self.batch_steps, self.full_every = chunk_steps, batch_steps, full_every
         self.hold_chunks = hold_chunks
         self.refs, self._ref_i = list(refs), 0
+        self._wire = (lambda m: m) if manifest_objects else (lambda m: m.to_json())
         n_streams = len(nodes) * ranks if workload == "ranks" else 1
         self.streams = list(range(n_streams))
         self.step = {s: 0 for s in self.streams}            # last step emitted (relative to the stream's base)
@@ -126,7 +131,7 @@ class SimJob:
         return out
 
     def _hold(self, s: int, m: Manifest) -> list[tuple[str, tuple]]:
-        mj, out = m.to_json(), []
+        mj, out = self._wire(m), []
         self.manifests[m.name] = m
         for node in (self.origin(s), self.peer(s)):
             if node is not None:
@@ -140,7 +145,7 @@ class SimJob:
         self.durable_names.add(m.name)
         self.durable_names.update(c.name for c in covers)
         self.holders.setdefault(m.name, set())
-        return [(self.origin(s), ("durable", m.to_json(), [c.name for c in covers] or [m.name]))]
+        return [(self.origin(s), ("durable", self._wire(m), [c.name for c in covers] or [m.name]))]
 
     def emit(self, s: int) -> list[tuple[str, tuple]]:
         """The next chunk of stream ``s``: its ``held`` reports, a commit when a batch is complete, a full on the
@@ -258,7 +263,8 @@ class NodeSim:
             seconds: float, warmup: float, chunk_steps: int, stream_offset: int) -> dict:
         import ray
         refs = [ray.put(b"x" * 64) for _ in range(64)]
-        job = SimJob(nodes, ranks, workload=workload, chunk_steps=chunk_steps, refs=refs)
+        job = SimJob(nodes, ranks, workload=workload, chunk_steps=chunk_steps, refs=refs,
+                     manifest_objects=mode == "after")
         gen_of = {s: job.generation(s) + stream_offset for s in job.streams}
         job.generation = lambda s: gen_of[s]                                 # generations unique across sims
         job.base = lambda s: (gen_of[s] - 1) * STEP_BASE
@@ -277,6 +283,7 @@ class NodeSim:
         for i, n in enumerate(nodes):
             heapq.heappush(ev, (t0 + BEFORE_INTERVAL_S * i / len(nodes), 1, n))
         inflight: dict = {}
+        busy: dict = {}            # node -> its last update call (after: the next waits for its answer)
         controls: dict = {}
         lags, ctl_lat, calls, msgs_sent, chunks, behind = [], [], 0, 0, 0, 0.0
 
@@ -321,15 +328,20 @@ class NodeSim:
                 heapq.heappush(ev, (t + chunk_dt, 0, key))
             elif kind == 1:
                 msgs = buf[key]
+                if pack and busy.get(key) is not None:   # after: one update call in flight per worker
+                    ready, _ = ray.wait([busy[key]], timeout=0)
+                    if not ready:
+                        msgs = []
                 if msgs:
                     buf[key] = []
                     body = [m for m, _ in msgs]
                     ref = coord.update.remote(key, _worker.pack_reports(body) if pack else body)
                     inflight[ref] = (key, msgs[0][1])
+                    busy[key] = ref
                     calls += 1
                     msgs_sent += len(body)
-                if t < t_end:
-                    heapq.heappush(ev, (t + interval[key], 1, key))
+                if t < t_end or buf[key]:
+                    heapq.heappush(ev, (max(t + interval[key], time.monotonic() if t >= t_end else 0), 1, key))
             else:
                 if t >= t_end:
                     continue
@@ -341,6 +353,104 @@ class NodeSim:
         return {"calls": calls, "messages": msgs_sent, "chunks": chunks, "lags": lags, "control": ctl_lat,
                 "behind_s": behind, "seconds": seconds, "streams": len(job.streams),
                 "intervals": sorted(set(round(v, 3) for v in interval.values()))}
+
+
+# -- the cost model (docs/scale.md) ---------------------------------------------------------------------------
+def chunk_steps_of(steps_per_s: float, batch_steps: int = 10, handoff_delay: float = 0.2) -> int:
+    """Steps per hand-off: what arrives within ``handoff_delay`` (at least 1, at most ``batch_steps``)."""
+    return int(min(batch_steps, max(1, round(steps_per_s * handoff_delay))))
+
+
+def model_reports(nodes: int, ranks: int, workload: str, mode: str, *, steps_per_s: float, chunk_steps: int,
+                  seconds: float, batch_steps: int = 10, full_every: int = 100, hold_chunks: int = 20) -> dict:
+    """The cost model's coordinator traffic for a simulated run of ``seconds``: messages, update calls and control
+    calls a second (docs/scale.md, "Messages to the coordinator"), counted as :class:`SimJob` defines the job."""
+    streams = nodes * ranks if workload == "ranks" else 1
+    n = seconds * steps_per_s / chunk_steps                  # chunks per stream
+    fulls = seconds * steps_per_s / full_every
+    held = 2 * (n + fulls) + 2                               # origin + peer, the attach full too
+    durable = seconds * steps_per_s / batch_steps + fulls + 1
+    release = 2 * max(0.0, n + fulls + 1 - hold_chunks)
+    msgs = streams * (held + durable + release) + nodes
+    reporting = nodes if workload == "ranks" else min(nodes, 2)
+    per_node_events = (streams / reporting) * (steps_per_s / chunk_steps)   # chunk events per reporting node / s
+    interval = BEFORE_INTERVAL_S if mode == "before" else max(BEFORE_INTERVAL_S, reporting / REPORT_CALLS_PER_S)
+    calls = reporting * min(1 / interval, per_node_events) + (nodes - reporting) / seconds
+    controls = (streams if workload == "ranks" else 1) / CONTROL_S
+    return {"messages_per_s": msgs / seconds, "calls_per_s": calls, "controls_per_s": controls}
+
+
+def fit_cpu(rows: list[dict]) -> list[float] | None:
+    """Least squares of the coordinator's CPU (core-seconds a second) on its calls, messages and control calls a
+    second: ``[per update call, per message, per control call, fixed]`` seconds."""
+    import numpy as np
+    if len(rows) < 4:
+        return None
+    a = np.array([[r["calls_per_s"], r["messages_per_s"], r["controls_per_s"], 1.0] for r in rows])
+    y = np.array([r["coordinator_cpu"] for r in rows])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    return [float(c) for c in coef]
+
+
+def validate(rows: list[dict], fit_nodes: int) -> dict:
+    """Model against simulation: each row's measured traffic against :func:`model_reports`, and its CPU against
+    the per-call/per-message costs fitted on the rows of at most ``fit_nodes`` nodes (a prediction for the wider
+    rows, not a fit of them)."""
+    for r in rows:
+        m = model_reports(r["nodes"], r["ranks"], r["workload"], r["mode"], steps_per_s=r["steps_per_s"],
+                          chunk_steps=r["chunk_steps"], seconds=r["seconds"] + r["warmup"])
+        r["model"] = m
+        r["model_ratio"] = {k: (r[k] / m[k] if m[k] else None) for k in ("messages_per_s", "calls_per_s")}
+    coef = fit_cpu([r for r in rows if r["nodes"] <= fit_nodes and not r["generator_short"]])
+    if coef is not None:
+        for r in rows:
+            pred = sum(c * x for c, x in zip(coef, (r["calls_per_s"], r["messages_per_s"], r["controls_per_s"], 1)))
+            r["model_cpu"] = pred
+            r["model_ratio"]["coordinator_cpu"] = r["coordinator_cpu"] / pred if pred > 0 else None
+    return {"fit_on_nodes_at_most": fit_nodes,
+            "cpu_seconds_per": None if coef is None else dict(zip(("update_call", "message", "control_call",
+                                                                   "fixed_per_s"), coef))}
+
+
+S3_PUT_PER_1000 = 0.005      #: S3 Standard, PUT/COPY/POST/LIST, USD per 1,000 requests (aws.amazon.com/s3/pricing)
+S3_PUT_PER_PREFIX = 3500     #: PUT/COPY/POST/DELETE per second per partitioned prefix (S3 user guide, performance)
+MONTH_S = 30 * 86400
+
+
+def job_costs(name: str, nodes: int, ranks: int, params: float, steps_per_s: float, *, sharded: bool,
+              batch_steps: int = 10, full_every: int = 100, durable_delay: float = 2.0, handoff_delay: float = 0.2,
+              diff_bytes_per_param: float = 4.0, full_bytes_per_param: float = 12.0) -> dict:
+    """docs/scale.md's formulas for one job: coordinator traffic, object store / network / durable bytes, S3 PUTs
+    a second and a month. ``diff_bytes_per_param``: 4 (dense fp32 gradient), 0.08 (top-k 1%: int32 + fp32 at 1%);
+    ``full_bytes_per_param``: 12 (fp32 parameters + AdamW moments)."""
+    world = nodes * ranks
+    lineages = world if sharded else 1
+    c = chunk_steps_of(steps_per_s, batch_steps, handoff_delay)
+    c_d = min(batch_steps, max(c, steps_per_s * durable_delay))       # steps per durable diff object
+    c_l = min(batch_steps, max(1, steps_per_s * 0.2))                  # steps per loop-state object (ranks > 0)
+    r, fe = steps_per_s, full_every
+    D, S = diff_bytes_per_param * params, full_bytes_per_param * params
+    puts_lineage = lineages * (2 * r / c_d + 2 * r / fe)
+    puts_loop = 0.0 if sharded else (world - 1) * (2 * r / c_l + 2 * r / fe)
+    puts_lease = (lineages / 20.0)                                     # a heartbeat write every ttl/3 = 20 s
+    puts = puts_lineage + puts_loop + puts_lease
+    reporting_nodes = nodes if sharded else min(nodes, 2)
+    msgs = lineages * (2 * r / c + 2 * r / c + r / c_d + 3 * r / fe)   # held x2, release x2, durable, full x3
+    return {"job": name, "nodes": nodes, "ranks_per_node": ranks, "params": params, "steps_per_s": r,
+            "sharded": sharded, "lineages": lineages, "chunk_steps": c, "durable_object_steps": c_d,
+            "coordinator_messages_per_s": msgs, "control_calls_per_s": lineages / CONTROL_S,
+            "update_calls_per_s_before": reporting_nodes / BEFORE_INTERVAL_S,
+            "update_calls_per_s_after": min(reporting_nodes / BEFORE_INTERVAL_S, REPORT_CALLS_PER_S),
+            "object_store_bytes_per_s_per_origin_node": (D + S / fe) * r / (nodes if sharded else 1),
+            "network_bytes_per_s": 2 * (D + S / fe) * r,              # peer copy + the state tier's replica
+            "durable_bytes_per_s": (D + S / fe) * r,
+            "s3_put_per_s": puts, "s3_put_per_s_lineages": puts_lineage, "s3_put_per_s_rank_loop": puts_loop,
+            "s3_put_per_s_lease": puts_lease, "s3_put_per_month": puts * MONTH_S,
+            "s3_put_usd_per_month": puts * MONTH_S / 1000 * S3_PUT_PER_1000,
+            "share_of_one_prefix_put_limit": puts / S3_PUT_PER_PREFIX}
+
+
+EXAMPLE_JOBS = [("8x8 1B", 8, 8, 1e9, False), ("32x8 8B", 32, 8, 8e9, False), ("128x8 70B sharded", 128, 8, 70e9, True)]
 
 
 # -- the driver -----------------------------------------------------------------------------------------------
@@ -438,7 +548,8 @@ def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: fl
     streams = sum(o["streams"] for o in outs)
     target_chunks = streams * steps_per_s / chunk_steps * seconds
     row = {"nodes": nodes, "ranks": ranks, "workload": workload, "mode": mode, "streams": streams,
-           "seconds": seconds, "steps_per_s": steps_per_s, "chunk_steps": chunk_steps,
+           "seconds": seconds, "warmup": warmup,
+           "controls_per_s": (streams if workload == "ranks" else 1) / CONTROL_S + (1 - 1 / 8) / 0.25, "steps_per_s": steps_per_s, "chunk_steps": chunk_steps,
            "coordinator_cpu": work_cpu / span, "coordinator_cpu_window": (cpu_m - cpu_w) / (t_m - t_w),
            "coordinator_rss_mb": rss / 2 ** 20,
            "calls_per_s": sum(o["calls"] for o in outs) / span,
@@ -512,6 +623,26 @@ def plot(result: dict, path: str) -> None:
     report.save_figure(fig, path)
 
 
+@contextlib.contextmanager
+def _private_ray(tmp: str, attempts: int = 3):
+    """:func:`benchmarks.harness.private_ray`, tried again when Ray's node does not come up (its raylet gets 30 s:
+    on a loaded machine that is sometimes too little)."""
+    for attempt in range(attempts):
+        try:
+            cm = harness.private_ray(os.path.join(tmp, f"ray{attempt}"), num_cpus=2, object_store_mb=256)
+            host = cm.__enter__()
+        except RuntimeError as e:
+            if attempt == attempts - 1:
+                raise
+            print(f"[scale] Ray did not start ({str(e).splitlines()[0]}); trying again", flush=True)
+            continue
+        try:
+            yield host
+        finally:
+            cm.__exit__(None, None, None)
+        return
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: 4 and 16 nodes, 3 s each")
@@ -525,7 +656,16 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="ranks,ddp")
     ap.add_argument("--modes", default="before,after")
     ap.add_argument("--out", default=harness.RESULTS)
+    ap.add_argument("--model", action="store_true", help="only write the cost model's example jobs "
+                    "(scale_model.json)")
     a = ap.parse_args(argv)
+    if a.model:
+        for j in write_model(a.out)["jobs"]:
+            print(f"[scale] {j['job']} at {j['steps_per_s']} steps/s, {j['diff']}: {j['s3_put_per_s']:,.0f} PUT/s "
+                  f"(${j['s3_put_usd_per_month']:,.0f}/month), coordinator {j['coordinator_messages_per_s']:,.0f} "
+                  f"msgs/s + {j['control_calls_per_s']:,.0f} control/s, network "
+                  f"{j['network_bytes_per_s'] / 1e9:,.2f} GB/s", flush=True)
+        return 0
     nodes = [int(x) for x in (a.nodes or ("4,16" if a.quick else "8,32,128,512")).split(",") if x.strip()]
     seconds = a.seconds or (3.0 if a.quick else 8.0)
     warmup = a.warmup if a.warmup is not None else (1.0 if a.quick else 3.0)
@@ -538,7 +678,7 @@ def main(argv=None) -> int:
     import ray
     tmp = tempfile.mkdtemp(prefix="ray_ckpt-scale-", dir="/tmp")
     rows = []
-    with harness.private_ray(tmp, num_cpus=2, object_store_mb=256) as host:
+    with _private_ray(tmp) as host:
         ray.init(address=host.address, namespace=harness.RAY_NAMESPACE, log_to_driver=False,
                  configure_logging=False)
         try:
@@ -563,9 +703,26 @@ def main(argv=None) -> int:
             "command": "python -m benchmarks.scale " + " ".join(argv if argv is not None else sys.argv[1:]),
             "load_avg_after": os.getloadavg()}
     knees = {f"{w}/{m}": knee(rows, w, m) for w in workloads for m in modes}
+    fit = validate(rows, fit_nodes=sorted(set(nodes))[min(1, len(set(nodes)) - 1)])
     base = os.path.join(a.out, "scale_quick" if a.quick else "scale")
-    report.write_result(base, {"meta": meta, "rows": rows, "knees": knees}, markdown, plot)
+    report.write_result(base, {"meta": meta, "rows": rows, "knees": knees, "cpu_fit": fit}, markdown, plot)
     return 0
+
+
+def write_model(out: str) -> dict:
+    """The example jobs of docs/scale.md through :func:`job_costs`, at their own step rate and at 10 steps/s, dense
+    and top-k 1% diffs: ``scale_model.json``."""
+    jobs = []
+    for name, n, g, p, sharded in EXAMPLE_JOBS:
+        own = {"8x8 1B": 1.0, "32x8 8B": 0.5, "128x8 70B sharded": 0.2}[name]
+        for rate in (own, 10.0):
+            for diff, dbytes in (("dense fp32", 4.0), ("top-k 1%", 0.08)):
+                jobs.append({**job_costs(name, n, g, p, rate, sharded=sharded, diff_bytes_per_param=dbytes),
+                             "diff": diff})
+    result = {"meta": {"date": report.now(), "s3_put_usd_per_1000": S3_PUT_PER_1000,
+                       "s3_put_per_s_per_prefix": S3_PUT_PER_PREFIX, "month_s": MONTH_S}, "jobs": jobs}
+    report.write_result(os.path.join(out, "scale_model"), result, echo=False)
+    return result
 
 
 if __name__ == "__main__":

@@ -38,15 +38,16 @@ def _play(coord: SimCoordinator, job: SimJob, rounds: int, pack: bool) -> list[f
     return answers
 
 
-def _job(nodes, ranks=2):
-    return SimJob(nodes, ranks, chunk_steps=2, batch_steps=10, full_every=20, hold_chunks=4, refs=["tagged"])
+def _job(nodes, ranks=2, objects=True):
+    return SimJob(nodes, ranks, chunk_steps=2, batch_steps=10, full_every=20, hold_chunks=4, refs=["tagged"],
+                  manifest_objects=objects)
 
 
 def test_aggregated_reports_keep_a_64_node_lineage_exact(ray_cluster, tmp_path):
     nodes = node_ids(64)
     figures = {}
-    for pack in (False, True):
-        coord, job = _coord(tmp_path, f"pack{pack}"), _job(nodes)
+    for pack in (False, True):   # as before (a message each, manifests as JSON), as now (packed, as objects)
+        coord, job = _coord(tmp_path, f"pack{pack}"), _job(nodes, objects=pack)
         coord.sim_join(nodes)
         answers = _play(coord, job, rounds=13, pack=pack)   # 26 steps a stream: commits, a full, releases
         gens = [job.generation(s) for s in job.streams]

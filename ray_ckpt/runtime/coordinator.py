@@ -282,9 +282,12 @@ class Coordinator:
         self._changes += 1
         return self.report_interval(node_id)
 
-    def _manifest(self, mjson: bytes) -> Manifest:
-        """``Manifest.from_json``, reusing the parse of the same bytes (a chunk is reported by its origin and by
-        its peer: half the parses of a replicated run)."""
+    def _manifest(self, mjson) -> Manifest:
+        """A reported manifest: as the worker sent it (a :class:`Manifest`), or ``Manifest.from_json`` of its
+        bytes (older workers, the replica), reusing the parse of the same bytes (a chunk is reported by its
+        origin and by its peer)."""
+        if isinstance(mjson, Manifest):
+            return mjson
         m = self._parsed.pop(mjson, None)
         if m is None:
             m = Manifest.from_json(mjson)
@@ -355,9 +358,10 @@ class Coordinator:
     def report(self, manifest_json: bytes, node_id: str, refs: list, durable: bool) -> None:
         self._add(Manifest.from_json(manifest_json), node_id, refs, durable)
 
-    def report_durable(self, manifest_json: bytes, covers: list[str]) -> None:
-        """An object was committed to storage; ``covers`` are the memory-tier objects it makes durable."""
-        m = Manifest.from_json(manifest_json)
+    def report_durable(self, manifest_json, covers: list[str]) -> None:
+        """An object was committed to storage; ``covers`` are the memory-tier objects it makes durable.
+        ``manifest_json``: its manifest's bytes, or the :class:`Manifest` itself."""
+        m = self._manifest(manifest_json)
         if self._collected_already(m):
             return
         self._add(m, None, None, True)

@@ -18,7 +18,9 @@ safe and sends the unsafe ones again to a restarted worker (a new incarnation ho
 restart never opens a hole in the lineage.
 
 Messages to the coordinator (held, durable, released) go through one queue and one thread, in order, batched:
-one actor call per ~50 ms, not one per step.
+one actor call per report interval (50 ms, longer in a wide job: the coordinator answers each call with the
+interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``), not one per step; they carry the
+manifests as objects (no JSON for the coordinator to parse and validate: the worker validated them on arrival).
 
 With ``durable_diffs="fulls"`` (in the chunk's manifest info) a diff chunk is *lazy*: it is written only on
 flush, under memory pressure, or when it is not held on a second node (no peer acknowledged it within
@@ -217,7 +219,7 @@ class PersistenceWorker:
             raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
         ref = ray.put(bufs)  # this actor owns the copy (ray.put's _owner is gone since Ray 2.56)
         self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)
-        self._report(("held", m.to_json(), ref, self.node_id))
+        self._report(("held", m, ref, self.node_id))
         peer, peer_node = self._peer() if replicate else (None, "")
         if peer is not None:
             call = peer.hold_replica.remote(m.to_json(), [ref], self.node_id)
@@ -257,7 +259,7 @@ class PersistenceWorker:
         bufs = as_buffers(value)
         ref = ray.put(bufs)
         self._hold(m, ref, sum(memoryview(b).nbytes for b in bufs), durable=False, replica=True, origin=origin)
-        self._report(("held", m.to_json(), ref, origin))
+        self._report(("held", m, ref, origin))
         self._stats["replicas"] += 1
         return True
 
@@ -386,10 +388,13 @@ class PersistenceWorker:
             if time.monotonic() - metrics_t >= 1.0:
                 metrics_t = time.monotonic()
                 _metrics.worker_metrics(self.stats(), deltas)
+            busy = self._update_in_flight()
             with self._cv:
                 if not self._reports and not self._replica_calls:
                     self._cv.wait(1.0)
-                msgs, self._reports = self._reports, []
+                msgs = []
+                if not busy:   # one update call in flight: a slow coordinator gets fewer, larger calls
+                    msgs, self._reports = self._reports, []
                 self._reports_sending = bool(msgs)
                 calls = list(self._replica_calls)
             if calls:
@@ -407,7 +412,6 @@ class PersistenceWorker:
             if msgs:
                 ref = None
                 try:
-                    self._report_interval = answered_interval(self._last_update, self._report_interval)
                     ref = self._coord().update.remote(self.node_id, pack_reports(msgs))
                     self._stats["coordinator_calls"] += 1
                 except Exception as e:  # noqa: BLE001 - the coordinator is restarting: it rebuilds from inventories
@@ -421,6 +425,18 @@ class PersistenceWorker:
                 self._cv.wait_for(lambda: self._flush_requested > 0, timeout=self._report_interval)
             if self._flush_requested > 0:
                 time.sleep(_REPORT_INTERVAL_S)
+
+    def _update_in_flight(self) -> bool:
+        """Whether the coordinator has not answered this worker's last update call yet (report thread); once it
+        has, its answer sets the report interval (:func:`answered_interval`)."""
+        ref = self._last_update
+        if ref is None:
+            return False
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return True
+        self._report_interval = answered_interval(ref, self._report_interval)
+        return False
 
     def _mark_safe(self, names: list[str], peer: str | None = None) -> None:
         with self._cv:
@@ -575,7 +591,7 @@ class PersistenceWorker:
                     h.durable = True
                     if h.peer:
                         peers.setdefault(h.peer, []).append(n)
-            self._reports.append(("durable", m.to_json(), covers))
+            self._reports.append(("durable", m, covers))
             self._mark_safe_locked(covers)
             self._cv.notify_all()
         for node, names in peers.items():
