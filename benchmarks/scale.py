@@ -22,8 +22,8 @@ step range, since the coordinator keeps one lineage per run); ``ddp`` — what a
 world rank 0's chunks, held on its node and on the next one, every node's worker started.
 
 Modes: ``before`` — the report path as it was (one call per node every 50 ms, a tuple per message, manifests as
-JSON the coordinator parses); ``after`` — manifests as objects, :func:`ray_ckpt.runtime.worker.pack_reports`,
-one update call in flight per worker (the next waits for the answer) and the interval the coordinator answers (:meth:`~ray_ckpt.runtime.coordinator.Coordinator.report_interval`,
+JSON the coordinator parses); ``after`` — manifests as objects, :func:`ray_ckpt.runtime.worker.pack_reports`
+and the interval the coordinator answers (:meth:`~ray_ckpt.runtime.coordinator.Coordinator.report_interval`,
 ``REPORT_CALLS_PER_S`` calls a second in all).
 
 Runs on a private local Ray through :func:`benchmarks.harness.private_ray`. Writes ``scale.json``/``.md``/``.png``
@@ -260,9 +260,10 @@ class NodeSim:
         return True
 
     def run(self, coord, nodes: list[str], ranks: int, workload: str, mode: str, steps_per_s: float,
-            seconds: float, warmup: float, chunk_steps: int, stream_offset: int) -> dict:
+            seconds: float, warmup: float, chunk_steps: int, stream_offset: int, with_refs: bool = True,
+            rank_controls: bool = True) -> dict:
         import ray
-        refs = [ray.put(b"x" * 64) for _ in range(64)]
+        refs = [ray.put(b"x" * 64) for _ in range(64)] if with_refs else [None]
         job = SimJob(nodes, ranks, workload=workload, chunk_steps=chunk_steps, refs=refs,
                      manifest_objects=mode == "after")
         gen_of = {s: job.generation(s) + stream_offset for s in job.streams}
@@ -283,7 +284,6 @@ class NodeSim:
         for i, n in enumerate(nodes):
             heapq.heappush(ev, (t0 + BEFORE_INTERVAL_S * i / len(nodes), 1, n))
         inflight: dict = {}
-        busy: dict = {}            # node -> its last update call (after: the next waits for its answer)
         controls: dict = {}
         lags, ctl_lat, calls, msgs_sent, chunks, behind = [], [], 0, 0, 0, 0.0
 
@@ -328,16 +328,11 @@ class NodeSim:
                 heapq.heappush(ev, (t + chunk_dt, 0, key))
             elif kind == 1:
                 msgs = buf[key]
-                if pack and busy.get(key) is not None:   # after: one update call in flight per worker
-                    ready, _ = ray.wait([busy[key]], timeout=0)
-                    if not ready:
-                        msgs = []
                 if msgs:
                     buf[key] = []
                     body = [m for m, _ in msgs]
                     ref = coord.update.remote(key, _worker.pack_reports(body) if pack else body)
                     inflight[ref] = (key, msgs[0][1])
-                    busy[key] = ref
                     calls += 1
                     msgs_sent += len(body)
                 if t < t_end or buf[key]:
@@ -345,7 +340,7 @@ class NodeSim:
             else:
                 if t >= t_end:
                     continue
-                if workload == "ranks" or key == 0:
+                if rank_controls and (workload == "ranks" or key == 0):
                     controls[coord.control.remote(gen_of[key])] = t
                 heapq.heappush(ev, (t + CONTROL_S, 2, key))
         while inflight or controls:
@@ -476,7 +471,8 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: float, warmup: float,
-                steps_per_s: float, chunk_steps: int, sims: int, tmp: str) -> dict:
+                steps_per_s: float, chunk_steps: int, sims: int, tmp: str, with_refs: bool = True,
+                rank_controls: bool = True) -> dict:
     """One configuration: a fresh coordinator actor, ``sims`` NodeSim actors sharing the nodes, the probes."""
     import ray
     from ray_ckpt.engine.lease import Lease
@@ -501,7 +497,8 @@ def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: fl
         offsets.append(off)
         off += len(s) * ranks if workload == "ranks" else 1
     cpu0, t0 = _proc_cpu(pid), time.monotonic()
-    runs = [a.run.remote(coord, s, ranks, workload, mode, steps_per_s, seconds, warmup, chunk_steps, o)
+    runs = [a.run.remote(coord, s, ranks, workload, mode, steps_per_s, seconds, warmup, chunk_steps, o, with_refs,
+                         rank_controls)
             for a, s, o in zip(actors, share, offsets)]
     # probes: a restore plan every 2 s and a control call every 0.25 s, as one more training process sees them
     plan_lat, probe_ctl = [], []
@@ -548,8 +545,10 @@ def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: fl
     streams = sum(o["streams"] for o in outs)
     target_chunks = streams * steps_per_s / chunk_steps * seconds
     row = {"nodes": nodes, "ranks": ranks, "workload": workload, "mode": mode, "streams": streams,
+           "object_refs": with_refs, "rank_controls": rank_controls,
            "seconds": seconds, "warmup": warmup,
-           "controls_per_s": (streams if workload == "ranks" else 1) / CONTROL_S + (1 - 1 / 8) / 0.25, "steps_per_s": steps_per_s, "chunk_steps": chunk_steps,
+           "controls_per_s": rank_controls * (streams if workload == "ranks" else 1) / CONTROL_S
+           + (1 - 1 / 8) / 0.25, "steps_per_s": steps_per_s, "chunk_steps": chunk_steps,
            "coordinator_cpu": work_cpu / span, "coordinator_cpu_window": (cpu_m - cpu_w) / (t_m - t_w),
            "coordinator_rss_mb": rss / 2 ** 20,
            "calls_per_s": sum(o["calls"] for o in outs) / span,
@@ -578,7 +577,8 @@ def _ms(x):
 def knee(rows: list[dict], workload: str, mode: str) -> dict:
     """The widest configuration that held (the coordinator's CPU for the window's work below 85% of a core, the
     generator on rate) and the first that did not."""
-    rs = sorted((r for r in rows if r["workload"] == workload and r["mode"] == mode), key=lambda r: r["nodes"])
+    rs = sorted((r for r in rows if r["workload"] == workload and r["mode"] == mode and r["object_refs"]
+                 and r["rank_controls"]), key=lambda r: r["nodes"])
     held = [r["nodes"] for r in rs if not r["saturated"] and not r["generator_short"]]
     failed = [r["nodes"] for r in rs if r["saturated"]]
     return {"holds_up_to_nodes": max(held, default=None), "saturates_at_nodes": min(failed, default=None)}
@@ -594,7 +594,7 @@ def markdown(result: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in result["rows"]:
         c, v = r["control_ms"], r["view_lag_ms"]
-        lines.append(f"| {r['workload']} | {r['mode']} | {r['nodes']} | {r['streams']} | {r['messages_per_s']:,.0f} | "
+        lines.append(f"| {r['workload']} | {r['mode']}{'' if r['object_refs'] else ' (no refs)'}{'' if r['rank_controls'] else ' (no control polls)'} | {r['nodes']} | {r['streams']} | {r['messages_per_s']:,.0f} | "
                      f"{r['calls_per_s']:,.0f} | {100 * r['coordinator_cpu']:.0f} | {r['coordinator_rss_mb']:.0f} | "
                      f"{c['p50']}/{c['p99']} | {r['plan_ms']['p50']} | {v['p50']}/{v['p99']} | "
                      f"{'no' if r['generator_short'] else 'yes'}{' (saturated)' if r['saturated'] else ''} |")
@@ -605,10 +605,12 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
     rows = result["rows"]
     fig, ax = report.pyplot().subplots(1, 3, figsize=(13, 3.6))
-    for (wl, mode) in sorted({(r["workload"], r["mode"]) for r in rows}):
-        rs = sorted((r for r in rows if r["workload"] == wl and r["mode"] == mode), key=lambda r: r["nodes"])
+    for (wl, mode, refs, ctl) in sorted({(r["workload"], r["mode"], r["object_refs"], r["rank_controls"])
+                                         for r in rows}):
+        rs = sorted((r for r in rows if (r["workload"], r["mode"], r["object_refs"], r["rank_controls"])
+                     == (wl, mode, refs, ctl)), key=lambda r: r["nodes"])
         xs = [r["nodes"] for r in rs]
-        label = f"{wl}, {mode}"
+        label = f"{wl}, {mode}" + ("" if refs else " (no refs)") + ("" if ctl else " (no control polls)")
         ax[0].plot(xs, [100 * r["coordinator_cpu"] for r in rs], "o-", label=label)
         ax[1].plot(xs, [r["control_ms"]["p99"] or 0 for r in rs], "o-", label=label)
         ax[2].plot(xs, [r["view_lag_ms"]["p99"] or 0 for r in rs], "o-", label=label)
@@ -643,6 +645,21 @@ def _private_ray(tmp: str, attempts: int = 3):
         return
 
 
+def _scaled(seconds: float, nodes: int, floor: float) -> float:
+    """``seconds`` up to 32 nodes, shortened in proportion beyond (not below ``floor``)."""
+    return max(floor, seconds * min(1.0, 32 / nodes))
+
+
+def _echo(row: dict) -> None:
+    print(f"[scale] {row['workload']} {row['mode']} {row['nodes']} nodes{'' if row['object_refs'] else ' (no refs)'}"
+          f"{'' if row['rank_controls'] else ' (no control polls)'}: "
+          f"{row['messages_per_s']:,.0f} msgs/s in {row['calls_per_s']:,.0f} calls/s, coordinator "
+          f"{100 * row['coordinator_cpu']:.0f}% of a core, control p99 {row['control_ms']['p99']} ms, plan "
+          f"{row['plan_ms']['p50']} ms, lag p99 {row['view_lag_ms']['p99']} ms"
+          f"{' SATURATED' if row['saturated'] else ''}{' (generator short)' if row['generator_short'] else ''}",
+          flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: 4 and 16 nodes, 3 s each")
@@ -656,6 +673,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="ranks,ddp")
     ap.add_argument("--modes", default="before,after")
     ap.add_argument("--out", default=harness.RESULTS)
+    ap.add_argument("--no-refs-at", default="32,128", help="node counts at which the every-rank workload runs "
+                    "once more, after, with None in place of object refs (what the refs cost the coordinator)")
+    ap.add_argument("--no-control-at", default="", help="node counts at which the every-rank workload runs once "
+                    "more, after, without the ranks' control polls (what they cost the coordinator)")
+    ap.add_argument("--tag", default="", help="results as scale_<tag>.* (diagnostic runs)")
     ap.add_argument("--model", action="store_true", help="only write the cost model's example jobs "
                     "(scale_model.json)")
     a = ap.parse_args(argv)
@@ -685,16 +707,29 @@ def main(argv=None) -> int:
             for wl in workloads:
                 for n in nodes:
                     for mode in modes:
-                        row = measure_one(n, a.ranks, wl, mode, seconds=seconds, warmup=warmup,
+                        # wider rows run shorter (the figures are per message and per call; a saturated
+                        # coordinator's backlog is drained after the window, on a loaded 2-core machine)
+                        row = measure_one(n, a.ranks, wl, mode, seconds=_scaled(seconds, n, 2.0),
+                                          warmup=_scaled(warmup, n, 1.0),
                                           steps_per_s=a.steps_per_s, chunk_steps=a.chunk_steps, sims=a.sims,
                                           tmp=tmp)
                         rows.append(row)
-                        print(f"[scale] {wl} {mode} {n} nodes: {row['messages_per_s']:,.0f} msgs/s in "
-                              f"{row['calls_per_s']:,.0f} calls/s, coordinator {100 * row['coordinator_cpu']:.0f}% "
-                              f"of a core, control p99 {row['control_ms']['p99']} ms, plan "
-                              f"{row['plan_ms']['p50']} ms, lag p99 {row['view_lag_ms']['p99']} ms"
-                              f"{' SATURATED' if row['saturated'] else ''}"
-                              f"{' (generator short)' if row['generator_short'] else ''}", flush=True)
+                        _echo(row)
+            for n in [int(x) for x in a.no_refs_at.split(",") if x.strip()]:
+                if "ranks" in workloads and "after" in modes:
+                    row = measure_one(n, a.ranks, "ranks", "after", seconds=_scaled(seconds, n, 2.0),
+                                      warmup=_scaled(warmup, n, 1.0),
+                                      steps_per_s=a.steps_per_s, chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp,
+                                      with_refs=False)
+                    rows.append(row)
+                    _echo(row)
+            for n in [int(x) for x in a.no_control_at.split(",") if x.strip()]:
+                if "ranks" in workloads and "after" in modes:
+                    row = measure_one(n, a.ranks, "ranks", "after", seconds=_scaled(seconds, n, 2.0),
+                                      warmup=_scaled(warmup, n, 1.0), steps_per_s=a.steps_per_s,
+                                      chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp, rank_controls=False)
+                    rows.append(row)
+                    _echo(row)
         finally:
             ray.shutdown()
     meta = {"date": report.now(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -704,7 +739,7 @@ def main(argv=None) -> int:
             "load_avg_after": os.getloadavg()}
     knees = {f"{w}/{m}": knee(rows, w, m) for w in workloads for m in modes}
     fit = validate(rows, fit_nodes=sorted(set(nodes))[min(1, len(set(nodes)) - 1)])
-    base = os.path.join(a.out, "scale_quick" if a.quick else "scale")
+    base = os.path.join(a.out, "scale_quick" if a.quick else "scale" + (f"_{a.tag}" if a.tag else ""))
     report.write_result(base, {"meta": meta, "rows": rows, "knees": knees, "cpu_fit": fit}, markdown, plot)
     return 0
 

@@ -128,6 +128,7 @@ class PersistenceWorker:
         self._reports_sending = False                 # taken from _reports, update() not submitted yet
         self._last_update = None                      # ObjectRef of the newest update() call
         self._report_interval = _REPORT_INTERVAL_S    # as the coordinator asks (its answer to update())
+        self._unanswered: collections.deque = collections.deque(maxlen=64)   # update calls not answered yet
         self._replica_calls: dict = {}                # ObjectRef of hold_replica -> (name, peer node)
         self._newly_safe: dict[int, list[str]] = {}   # gen -> names safe since the last answer
         self._peer_cache: tuple[float, object, str] | None = None
@@ -388,13 +389,11 @@ class PersistenceWorker:
             if time.monotonic() - metrics_t >= 1.0:
                 metrics_t = time.monotonic()
                 _metrics.worker_metrics(self.stats(), deltas)
-            busy = self._update_in_flight()
+            self._take_interval()
             with self._cv:
                 if not self._reports and not self._replica_calls:
                     self._cv.wait(1.0)
-                msgs = []
-                if not busy:   # one update call in flight: a slow coordinator gets fewer, larger calls
-                    msgs, self._reports = self._reports, []
+                msgs, self._reports = self._reports, []
                 self._reports_sending = bool(msgs)
                 calls = list(self._replica_calls)
             if calls:
@@ -426,17 +425,21 @@ class PersistenceWorker:
             if self._flush_requested > 0:
                 time.sleep(_REPORT_INTERVAL_S)
 
-    def _update_in_flight(self) -> bool:
-        """Whether the coordinator has not answered this worker's last update call yet (report thread); once it
-        has, its answer sets the report interval (:func:`answered_interval`)."""
-        ref = self._last_update
-        if ref is None:
-            return False
-        ready, _ = ray.wait([ref], timeout=0)
-        if not ready:
-            return True
-        self._report_interval = answered_interval(ref, self._report_interval)
-        return False
+    def _take_interval(self) -> None:
+        """Report thread: the report interval the coordinator asked for in its newest answer to an update call
+        (:func:`answered_interval`; never waits). A busy coordinator answers late: the calls still unanswered
+        (at most 64) are looked at, not only the last one."""
+        pending = self._unanswered
+        if self._last_update is not None and (not pending or pending[-1] is not self._last_update):
+            pending.append(self._last_update)
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        if ready:
+            done = set(ready)
+            newest = [r for r in pending if r in done][-1]
+            self._report_interval = answered_interval(newest, self._report_interval)
+            self._unanswered = collections.deque((r for r in pending if r not in done), maxlen=64)
 
     def _mark_safe(self, names: list[str], peer: str | None = None) -> None:
         with self._cv:
