@@ -65,7 +65,8 @@ bench-coordinator: $(STAMP)
 	$(PY) -m benchmarks.coordinator_scale
 
 # the control plane against the job's width: the real coordinator actor and 8-512 simulated nodes x 8 ranks at
-# 10 steps/s, the report path before and after per-node aggregation (~10 min; --quick: 4 and 16 nodes)
+# 10 steps/s, the report path before and after per-node aggregation (15-30 min on 2 cores: a saturated
+# coordinator's backlog is drained after each row; --quick: 4 and 16 nodes, ~3 min)
 bench-scale: $(STAMP)
 	$(PY) -m benchmarks.scale
 

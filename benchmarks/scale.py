@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
+import json
 import os
 import platform
 import sys
@@ -677,6 +678,7 @@ def main(argv=None) -> int:
                     "once more, after, with None in place of object refs (what the refs cost the coordinator)")
     ap.add_argument("--no-control-at", default="", help="node counts at which the every-rank workload runs once "
                     "more, after, without the ranks' control polls (what they cost the coordinator)")
+    ap.add_argument("--ddp-nodes", default="", help="node counts of the data-parallel workload (default: --nodes)")
     ap.add_argument("--tag", default="", help="results as scale_<tag>.* (diagnostic runs)")
     ap.add_argument("--model", action="store_true", help="only write the cost model's example jobs "
                     "(scale_model.json)")
@@ -693,6 +695,7 @@ def main(argv=None) -> int:
     warmup = a.warmup if a.warmup is not None else (1.0 if a.quick else 3.0)
     if min(nodes) < 2 or a.ranks < 1 or seconds <= 0 or a.steps_per_s <= 0 or a.chunk_steps < 1 or a.sims < 1:
         ap.error("need nodes >= 2, ranks >= 1, seconds > 0, steps-per-s > 0, chunk-steps >= 1, sims >= 1")
+    ddp_nodes = [int(x) for x in a.ddp_nodes.split(",") if x.strip()]
     workloads = [w for w in a.workloads.split(",") if w]
     modes = [m for m in a.modes.split(",") if m]
     if not set(workloads) <= {"ranks", "ddp"} or not set(modes) <= {"before", "after"}:
@@ -705,7 +708,7 @@ def main(argv=None) -> int:
                  configure_logging=False)
         try:
             for wl in workloads:
-                for n in nodes:
+                for n in (ddp_nodes if wl == "ddp" and ddp_nodes else nodes):
                     for mode in modes:
                         # wider rows run shorter (the figures are per message and per call; a saturated
                         # coordinator's backlog is drained after the window, on a loaded 2-core machine)
@@ -715,6 +718,8 @@ def main(argv=None) -> int:
                                           tmp=tmp)
                         rows.append(row)
                         _echo(row)
+                        with open(os.path.join(tmp, "rows.json"), "w") as f:   # a run cut short keeps its rows
+                            json.dump(rows, f, default=str)
             for n in [int(x) for x in a.no_refs_at.split(",") if x.strip()]:
                 if "ranks" in workloads and "after" in modes:
                     row = measure_one(n, a.ranks, "ranks", "after", seconds=_scaled(seconds, n, 2.0),

@@ -606,7 +606,7 @@ class PersistenceWorker:
 
 def pack_reports(msgs: list) -> list:
     """The messages of one update call with every run of consecutive ``held`` messages packed into one
-    ``("held_batch", [(manifest_json, ref, origin), ...])`` and every run of consecutive ``release`` messages
+    ``("held_batch", [(manifest, ref, origin), ...])`` and every run of consecutive ``release`` messages
     joined into one (the order of all other messages kept: a release still follows the hold it releases).
     Worker's report thread, and the scale benchmark's simulated nodes."""
     out: list = []
