@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
 .PHONY: venv demo test test-fast reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber \
-	bench-coordinator clean
+	bench-coordinator bench-scale clean
 
 venv: $(STAMP)
 
@@ -64,6 +64,12 @@ bench-fsdp: $(STAMP)
 # the coordinator's periodic work against the length of a run (lineages of 10,000-360,000 steps; ~1 min)
 bench-coordinator: $(STAMP)
 	$(PY) -m benchmarks.coordinator_scale
+
+# the control plane against the job's width: the real coordinator actor and 8-512 simulated nodes x 8 ranks at
+# 10 steps/s, the report path before and after per-node aggregation (15-30 min on 2 cores: a saturated
+# coordinator's backlog is drained after each row; --quick: 4 and 16 nodes, ~3 min)
+bench-scale: $(STAMP)
+	$(PY) -m benchmarks.scale
 
 # Amber vs LowDiff dense through runtime="ray" (paired blocks, ~22 min), then Amber's selection pass vs memcpy
 bench-amber: $(STAMP)

@@ -56,6 +56,16 @@ GAP_GRACE_S = 2.0       #: how long a hole in the step sequence may last before 
 COST_FACTOR = 50.0
 #: below this many CPU seconds a periodic computation is redone every time, as in a short run
 CHEAP_S = 0.005
+#: the worker update calls per second this actor asks of all its reporting workers together: each call costs the
+#: actor a fixed ~0.1-0.3 ms besides its messages, so a wide job's workers report less often each (their reports
+#: batched into fewer calls) instead of one call per node every 50 ms (docs/scale.md)
+REPORT_CALLS_PER_S = 200.0
+#: the shortest report interval a worker is asked for (seconds): a narrow job's coordinator lags by at most this
+MIN_REPORT_INTERVAL_S = 0.05
+#: a node that sent no update for this long no longer counts towards the report interval
+_REPORTER_TTL_S = 5.0
+#: manifests parsed from the same bytes (an origin's report and its peer's report of the same chunk) are reused
+_PARSED_CACHE = 4096
 
 
 @dataclass
@@ -108,6 +118,9 @@ class Coordinator:
         self.lease_lost: str | None = None
         self._changes = 0            # reports and failures seen (publish_metrics computes only after changes)
         self._published_changes = -1
+        self._reporters: dict[str, float] = {}   # node -> when its last update arrived (see report_interval)
+        self._reporters_pruned = 0.0
+        self._parsed: dict[bytes, Manifest] = {}   # manifest bytes -> Manifest (insertion order: oldest first)
         threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
         self.drains: dict[str, dict] = {}        # node -> its drain record (lineage/drains.py), see drains_changed
         self._draining: dict[str, int] = {}      # the GCS drain state: node -> deadline ms (0: none)
@@ -189,9 +202,33 @@ class Coordinator:
         cached = self._nodes_cache
         if max_age > 0 and cached is not None and now - cached[0] <= max_age:
             return cached[1]
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        alive = self.alive_node_ids()
         self._nodes_cache = (now, alive)
         return alive
+
+    def alive_node_ids(self) -> set[str]:
+        """The ids of the cluster's alive nodes, asked of Ray now (callers cache it: :meth:`_alive_nodes`).
+        Coordinator actor; the scale benchmark's subclass adds its simulated nodes."""
+        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+    def _worker_handles(self, nodes) -> dict:
+        """``{node: handle}`` of the run's persistence workers on ``nodes`` that exist: one listing of the named
+        actors, then a lookup only of those (a wide job's worker starts each ask every node: one failed lookup
+        per node without a worker cost a round trip to Ray's control store each)."""
+        prefix = naming.worker_prefix(self.run)
+        named = set()
+        for info in ray.util.list_named_actors(all_namespaces=True):
+            aname = info["name"] if isinstance(info, dict) else info
+            if aname.startswith(prefix):
+                named.add(aname[len(prefix):])
+        out = {}
+        for node in nodes:
+            if node in named:
+                try:
+                    out[node] = ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE)
+                except ValueError:
+                    pass
+        return out
 
     def _lineage(self, durable_only: bool = False, max_age: float = 0.0) -> Lineage:
         """The lineage of what storage holds (``durable_only``) or of what storage or a live node holds.
@@ -227,13 +264,20 @@ class Coordinator:
         return lin
 
     # -- reports from workers ----------------------------------------------------------------------------------------
-    def update(self, node_id: str, msgs: list) -> None:
-        """A worker's messages, in the order it produced them (one call per ~50 ms per worker)."""
+    def update(self, node_id: str, msgs: list) -> float:
+        """A worker's messages, in the order it produced them (one call per report interval per worker: 50 ms
+        in a narrow job). A manifest comes as a :class:`Manifest` (workers) or as its JSON bytes (the replica,
+        older workers); ``("held_batch", [(manifest, ref, origin), ...])`` is a run of ``held`` messages packed
+        by the worker (:func:`ray_ckpt.runtime.worker.pack_reports`). Returns the report interval the worker
+        should keep to (:meth:`report_interval`)."""
         for msg in msgs:
             kind = msg[0]
             if kind == "held":
                 _, mjson, ref, origin = msg
-                self._add(Manifest.from_json(mjson), node_id, [ref], False, origin)
+                self._add(self._manifest(mjson), node_id, [ref], False, origin)
+            elif kind == "held_batch":
+                for mjson, ref, origin in msg[1]:
+                    self._add(self._manifest(mjson), node_id, [ref], False, origin)
             elif kind == "durable":
                 self.report_durable(msg[1], msg[2])
             elif kind == "release":
@@ -242,6 +286,35 @@ class Coordinator:
                 self.worker_started(node_id)
         self._check_gaps()
         self._changes += 1
+        return self.report_interval(node_id)
+
+    def _manifest(self, mjson) -> Manifest:
+        """A reported manifest: as the worker sent it (a :class:`Manifest`), or ``Manifest.from_json`` of its
+        bytes (older workers, the replica), reusing the parse of the same bytes (a chunk is reported by its
+        origin and by its peer)."""
+        if isinstance(mjson, Manifest):
+            return mjson
+        m = self._parsed.pop(mjson, None)
+        if m is None:
+            m = Manifest.from_json(mjson)
+            if len(self._parsed) >= _PARSED_CACHE:
+                del self._parsed[next(iter(self._parsed))]
+        self._parsed[mjson] = m
+        return m
+
+    def report_interval(self, node_id: str | None = None) -> float:
+        """How often (seconds) each reporting worker should call :meth:`update`: ``MIN_REPORT_INTERVAL_S``, or
+        the nodes that reported within ``_REPORTER_TTL_S`` divided by ``REPORT_CALLS_PER_S`` when more, so
+        that the calls into this actor stay near ``REPORT_CALLS_PER_S`` however wide the job (its view lags
+        by about one interval). ``node_id``: the node whose update arrived now. Coordinator actor."""
+        now = time.monotonic()
+        if node_id is not None:
+            self._reporters[node_id] = now
+        if now - self._reporters_pruned > 1.0:
+            self._reporters_pruned = now
+            for n in [n for n, t in self._reporters.items() if now - t > _REPORTER_TTL_S]:
+                del self._reporters[n]
+        return max(MIN_REPORT_INTERVAL_S, len(self._reporters) / REPORT_CALLS_PER_S)
 
     def publish_metrics(self) -> None:
         """The run's lineage figures as Ray metrics (:mod:`ray_ckpt.runtime.metrics`): called about once a second
@@ -291,9 +364,10 @@ class Coordinator:
     def report(self, manifest_json: bytes, node_id: str, refs: list, durable: bool) -> None:
         self._add(Manifest.from_json(manifest_json), node_id, refs, durable)
 
-    def report_durable(self, manifest_json: bytes, covers: list[str]) -> None:
-        """An object was committed to storage; ``covers`` are the memory-tier objects it makes durable."""
-        m = Manifest.from_json(manifest_json)
+    def report_durable(self, manifest_json, covers: list[str]) -> None:
+        """An object was committed to storage; ``covers`` are the memory-tier objects it makes durable.
+        ``manifest_json``: its manifest's bytes, or the :class:`Manifest` itself."""
+        m = self._manifest(manifest_json)
         if self._collected_already(m):
             return
         self._add(m, None, None, True)
@@ -367,13 +441,7 @@ class Coordinator:
         this coordinator knows: a peer reports a replica it holds within ~50 ms, and ``lost``'s sender may have
         dropped the chunk as safe (held on two nodes) before that report arrived — so the peer decides from what it
         holds, never from this possibly older view."""
-        for node in self._alive_nodes():
-            if node == lost:
-                continue
-            try:
-                worker = ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE)
-            except ValueError:
-                continue
+        for node, worker in self._worker_handles(n for n in self._alive_nodes() if n != lost).items():
             worker.persist_origin.remote(lost)
             log.info("ray_ckpt coordinator: node %s persists what it holds of lost node %s", node[:8], lost[:8])
 

@@ -18,7 +18,9 @@ safe and sends the unsafe ones again to a restarted worker (a new incarnation ho
 restart never opens a hole in the lineage.
 
 Messages to the coordinator (held, durable, released) go through one queue and one thread, in order, batched:
-one actor call per ~50 ms, not one per step.
+one actor call per report interval (50 ms, longer in a wide job: the coordinator answers each call with the
+interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``), not one per step; they carry the
+manifests as objects (no JSON for the coordinator to parse and validate: the worker validated them on arrival).
 
 With ``durable_diffs="fulls"`` (in the chunk's manifest info) a diff chunk is *lazy*: it is written only on
 flush, under memory pressure, or when it is not held on a second node (no peer acknowledged it within
@@ -126,6 +128,8 @@ class PersistenceWorker:
         self._reports: list = []                      # messages for the coordinator, in order
         self._reports_sending = False                 # taken from _reports, update() not submitted yet
         self._last_update = None                      # ObjectRef of the newest update() call
+        self._report_interval = _REPORT_INTERVAL_S    # as the coordinator asks (its answer to update())
+        self._unanswered: collections.deque = collections.deque(maxlen=64)   # update calls not answered yet
         self._replica_calls: dict = {}                # ObjectRef of hold_replica -> (name, peer node)
         self._newly_safe: dict[int, list[str]] = {}   # gen -> names safe since the last answer
         self._peer_cache: tuple[float, object, str] | None = None
@@ -220,7 +224,7 @@ class PersistenceWorker:
             raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
         ref = ray.put(bufs)  # this actor owns the copy (ray.put's _owner is gone since Ray 2.56)
         self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)
-        self._report(("held", m.to_json(), ref, self.node_id))
+        self._report(("held", m, ref, self.node_id))
         peer, peer_node = self._peer() if replicate else (None, "")
         if peer is not None:
             call = peer.hold_replica.remote(m.to_json(), [ref], self.node_id)
@@ -260,7 +264,7 @@ class PersistenceWorker:
         bufs = as_buffers(value)
         ref = ray.put(bufs)
         self._hold(m, ref, sum(memoryview(b).nbytes for b in bufs), durable=False, replica=True, origin=origin)
-        self._report(("held", m.to_json(), ref, origin))
+        self._report(("held", m, ref, origin))
         self._stats["replicas"] += 1
         return True
 
@@ -435,6 +439,7 @@ class PersistenceWorker:
             if time.monotonic() - metrics_t >= 1.0:
                 metrics_t = time.monotonic()
                 _metrics.worker_metrics(self.stats(), deltas)
+            self._take_interval()
             with self._cv:
                 if not self._reports and not self._replica_calls:
                     self._cv.wait(1.0)
@@ -456,7 +461,7 @@ class PersistenceWorker:
             if msgs:
                 ref = None
                 try:
-                    ref = self._coord().update.remote(self.node_id, msgs)
+                    ref = self._coord().update.remote(self.node_id, pack_reports(msgs))
                     self._stats["coordinator_calls"] += 1
                 except Exception as e:  # noqa: BLE001 - the coordinator is restarting: it rebuilds from inventories
                     log.warning("ray_ckpt: coordinator unreachable (%s); it will rebuild from inventories", e)
@@ -465,7 +470,26 @@ class PersistenceWorker:
                     self._last_update = ref
                     self._reports_sending = False
                     self._cv.notify_all()
-            time.sleep(_REPORT_INTERVAL_S)
+            with self._cv:   # a flush does not wait out a long interval (a wide job's)
+                self._cv.wait_for(lambda: self._flush_requested > 0, timeout=self._report_interval)
+            if self._flush_requested > 0:
+                time.sleep(_REPORT_INTERVAL_S)
+
+    def _take_interval(self) -> None:
+        """Report thread: the report interval the coordinator asked for in its newest answer to an update call
+        (:func:`answered_interval`; never waits). A busy coordinator answers late: the calls still unanswered
+        (at most 64) are looked at, not only the last one."""
+        pending = self._unanswered
+        if self._last_update is not None and (not pending or pending[-1] is not self._last_update):
+            pending.append(self._last_update)
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        if ready:
+            done = set(ready)
+            newest = [r for r in pending if r in done][-1]
+            self._report_interval = answered_interval(newest, self._report_interval)
+            self._unanswered = collections.deque((r for r in pending if r not in done), maxlen=64)
 
     def _mark_safe(self, names: list[str], peer: str | None = None) -> None:
         with self._cv:
@@ -620,7 +644,7 @@ class PersistenceWorker:
                     h.durable = True
                     if h.peer:
                         peers.setdefault(h.peer, []).append(n)
-            self._reports.append(("durable", m.to_json(), covers))
+            self._reports.append(("durable", m, covers))
             self._mark_safe_locked(covers)
             self._cv.notify_all()
         for node, names in peers.items():
@@ -633,6 +657,43 @@ class PersistenceWorker:
 def _staying(nodes: list[str], draining: dict) -> list[str]:
     """``nodes`` without the draining ones, in the same order (all of them when every one drains)."""
     return [n for n in nodes if n not in draining] or nodes
+
+
+def pack_reports(msgs: list) -> list:
+    """The messages of one update call with every run of consecutive ``held`` messages packed into one
+    ``("held_batch", [(manifest, ref, origin), ...])`` and every run of consecutive ``release`` messages
+    joined into one (the order of all other messages kept: a release still follows the hold it releases).
+    Worker's report thread, and the scale benchmark's simulated nodes."""
+    out: list = []
+    for msg in msgs:
+        kind = msg[0]
+        last = out[-1][0] if out else None
+        if kind == "held":
+            if last == "held_batch":
+                out[-1][1].append(msg[1:])
+            else:
+                out.append(("held_batch", [msg[1:]]))
+        elif kind == "release" and last == "release":
+            out[-1] = ("release", list(out[-1][1]) + list(msg[1]))
+        else:
+            out.append(msg)
+    return [("held",) + o[1][0] if o[0] == "held_batch" and len(o[1]) == 1 else o for o in out]
+
+
+def answered_interval(ref, current: float) -> float:
+    """The report interval the coordinator asked for in its answer to the update call ``ref`` (its answers are
+    ready by the next report in a narrow job), else ``current``. Never waits."""
+    if ref is None:
+        return current
+    try:
+        ready, _ = ray.wait([ref], timeout=0)
+        if ready:
+            got = ray.get(ready[0])
+            if isinstance(got, (int, float)) and got > 0:
+                return min(float(got), 10.0)
+    except Exception:  # noqa: BLE001 - a restarting coordinator: keep the interval
+        pass
+    return current
 
 
 def _lazy(m: Manifest) -> bool:

@@ -1,0 +1,100 @@
+"""The scale benchmark's simulated nodes (benchmarks/scale.py) against the real coordinator class, in this
+process: the per-node report aggregation keeps the lineage exact (every figure equals a brute-force count of
+what the nodes sent), and a lost simulated node is handled as a real one (Ray's node list loses it)."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from benchmarks.scale import SimCoordinator, SimJob, node_ids
+from ray_ckpt.lineage import Manifest
+from ray_ckpt.runtime import coordinator as C
+from ray_ckpt.runtime.worker import pack_reports
+from ray_ckpt.storage import open_storage
+
+pytestmark = pytest.mark.ray
+
+
+def _coord(tmp_path, name: str) -> SimCoordinator:
+    return SimCoordinator(f"t-{name}-{uuid.uuid4().hex[:8]}", open_storage(str(tmp_path / name)), 100, 10)
+
+
+def _play(coord: SimCoordinator, job: SimJob, rounds: int, pack: bool) -> list[float]:
+    """Every node's messages of one round (one chunk per stream) in one update call per node, in order."""
+    answers = []
+
+    def send(pairs):
+        per_node: dict[str, list] = {}
+        for node, msg in pairs:
+            per_node.setdefault(node, []).append(msg)
+        for node in sorted(per_node):
+            msgs = per_node[node]
+            answers.append(coord.update(node, pack_reports(msgs) if pack else msgs))
+
+    send(job.start())
+    for _ in range(rounds):
+        send([p for s in job.streams for p in job.emit(s)])
+    return answers
+
+
+def _job(nodes, ranks=2, objects=True):
+    return SimJob(nodes, ranks, chunk_steps=2, batch_steps=10, full_every=20, hold_chunks=4, refs=["tagged"],
+                  manifest_objects=objects)
+
+
+def test_aggregated_reports_keep_a_64_node_lineage_exact(ray_cluster, tmp_path):
+    nodes = node_ids(64)
+    figures = {}
+    for pack in (False, True):   # as before (a message each, manifests as JSON), as now (packed, as objects)
+        coord, job = _coord(tmp_path, f"pack{pack}"), _job(nodes, objects=pack)
+        coord.sim_join(nodes)
+        answers = _play(coord, job, rounds=13, pack=pack)   # 26 steps a stream: commits, a full, releases
+        gens = [job.generation(s) for s in job.streams]
+        got, want = coord.sim_figures(gens), job.expected()
+        assert want["objects"] > 128 * 13 and want["replicated_objects"] > 0
+        assert want["memory_objects"] < want["objects"]          # released chunks (durable) count only as known
+        assert got == want
+        figures[pack] = got
+        # 64 nodes report: each is asked to report every 64 / REPORT_CALLS_PER_S seconds
+        assert answers[-1] == pytest.approx(max(C.MIN_REPORT_INTERVAL_S, 64 / C.REPORT_CALLS_PER_S))
+        assert coord.status()["recoverable_step"] == job.base(job.streams[-1]) + 26
+    assert figures[False] == figures[True]
+
+
+def test_a_lost_simulated_node_is_handled_as_a_real_one(ray_cluster, tmp_path):
+    nodes = node_ids(8)
+    coord, job = _coord(tmp_path, "lost"), _job(nodes)
+    coord.sim_join(nodes)
+    _play(coord, job, rounds=13, pack=True)
+    lost, peer = nodes[-1], nodes[0]               # the last node's ranks hold the newest generation
+    s = job.streams[-1]
+    assert job.origin(s) == lost and job.peer(s) == peer
+    gen, top = job.generation(s), job.base(s) + 26
+    gens = [job.generation(x) for x in job.streams]
+
+    coord.sim_lose(lost)                            # Ray's node list no longer has it
+    alive = set(nodes) - {lost}
+    assert coord.sim_figures(gens) == job.expected(alive)
+    # nothing lost: its peer holds its chunks and is asked to persist those not durable yet
+    assert job.expected(alive)["streams"][gen]["anywhere"][-1][1] == top
+    pending = [m.name for m in job.held[s] if m.name not in job.durable_names]
+    assert pending and set(pending) <= set(coord.unpersisted()[peer])
+    plan = coord.plan(top)                          # a restore reads the peer's copies
+    assert plan["step"] == top
+    held = [o for o in plan["objects"] if not o["durable"]]
+    assert held and all(o["refs"] == [f"{peer}:{Manifest.from_json(o['manifest']).name}"] for o in held)
+    assert all(lost not in e.holders for e in coord.entries.values())   # the plan forgot the dead node
+
+    coord.sim_lose(peer)                            # both copies gone: the steps after the last commit are lost
+    alive -= {peer}
+    want = job.expected(alive)
+    assert coord.sim_figures(gens)["streams"] == want["streams"]
+    assert want["streams"][gen]["anywhere"][-1][1] < top
+    assert "error" in coord.plan(top)
+    assert coord.plan(want["streams"][gen]["anywhere"][-1][1])["step"] == want["streams"][gen]["anywhere"][-1][1]
+    # a restarted simulated worker ("started") holds nothing, as a real one
+    node = nodes[3]
+    coord.update(node, [("started", node)])
+    assert all(node not in e.holders for e in coord.entries.values())
+    assert coord.sim_figures(gens)["streams"] == job.expected(alive - {node})["streams"]
