@@ -46,7 +46,7 @@ def _stored(uri):
 
 
 def test_default_keeps_the_two_newest_fulls_and_restores_bitwise(tmp_path, ref, monkeypatch):
-    monkeypatch.delenv("RAY_CKPT_KEEP_FULLS", raising=False)
+    monkeypatch.delenv("RAY_CKPT_KEEP_FULLS", raising=False)   # the default (tests/conftest.py sets 0)
     assert ray_ckpt.CheckpointConfig().keep_fulls == 2
     uri = str(tmp_path / "default")
     ck = _run(uri)
@@ -67,7 +67,8 @@ def test_default_keeps_the_two_newest_fulls_and_restores_bitwise(tmp_path, ref, 
         _restore(uri, step=oldest - 1)
 
 
-def test_fallback_past_a_damaged_newest_full_uses_the_older_kept_chain(tmp_path, ref):
+def test_fallback_past_a_damaged_newest_full_uses_the_older_kept_chain(tmp_path, ref, monkeypatch):
+    monkeypatch.delenv("RAY_CKPT_KEEP_FULLS", raising=False)   # the default (tests/conftest.py sets 0)
     uri = str(tmp_path / "c")
     _run(uri)
     storage = open_storage(uri)
