@@ -8,11 +8,14 @@ Every rank records, per attempt, the seconds of ``import ray_ckpt.train``, of ``
 phases (:attr:`ray_ckpt.train.TrainSession.startup`: the same figures as attach's INFO log line), and how long
 after ``fit()`` its loop began (Ray Train's own worker-group start, for scale).
 
-``--repeats`` fits, each a new run on a private local Ray (``--nodes`` nodes of ``ray.cluster_utils.Cluster``,
+``--repeats`` fits, each a new run on a new private local Ray (``--nodes`` nodes of ``ray.cluster_utils.Cluster``,
 2 CPUs each). The summary gives, per phase, the median over the fits and its 95% percentile-bootstrap interval
-(with three fits or more). Writes ``startup.json``, ``.md`` and ``.png`` to ``--out``.
+(with three fits or more). Writes ``<label>.json``, ``.md`` and ``.png`` to ``--out``. To compare two checkouts,
+run it from each (Ray's workers import ray_ckpt from the driver's working directory), alternating, with
+``--arm NAME --repeats 1``, then ``--combine`` the JSON files into one table.
 
-    .venv/bin/python -m benchmarks.startup [--repeats 3] [--steps 40] [--fail-at 20] [--nodes 1] [--out DIR]
+    .venv/bin/python -m benchmarks.startup [--repeats 3] [--steps 40] [--fail-at 20] [--nodes 1] [--arm NAME]
+    .venv/bin/python -m benchmarks.startup --combine A.json B.json ... [--out DIR] [--label NAME]
 """
 from __future__ import annotations
 
@@ -29,7 +32,6 @@ import uuid
 from benchmarks import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV_PYTHONPATH = os.environ.get("PYTHONPATH", "")   # as this process was started
 HIDDEN = 512
 BATCH = 64
 
@@ -134,12 +136,12 @@ def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = [f"# ray_ckpt.train.attach start-up — {meta['date']}, {meta['machine']}", "",
              f"Ray Train, 2 CPU workers on {meta['nodes']} node(s), MLP 784-512-512-10 ({meta['params']:,} "
-             f"parameters), SGD momentum, defaults; {meta['repeats']} fits per arm (arms alternating), each a fresh "
+             f"parameters), SGD momentum, defaults; {meta['repeats']} fits per arm, each a fresh "
              f"start and a restart (rank 1 fails at step {meta['fail_at']}). Median over the fits [95% bootstrap "
              "interval], seconds. `phase.*`: the phases of `TrainSession.startup` (attach's INFO log line); "
              "`since_fit_s`: when the loop began after `fit()` (Ray Train's own start, for scale)."]
     for arm, summary in result["summary"].items():
-        lines += ["", f"## {arm} (`{meta['arms'][arm]}`)", "", "| figure | " + " | ".join(summary) + " |",
+        lines += ["", f"## {arm}", "", "| figure | " + " | ".join(summary) + " |",
                   "|---|" + "---:|" * len(summary)]
         names: list = []
         for cell in summary.values():
@@ -173,11 +175,11 @@ def plot(result: dict, path: str) -> None:
     report.save_figure(fig, path)
 
 
-def cluster_fit(tmp: str, src: str, nodes: int, steps: int, fail_at: int) -> dict:
-    """One fit on a new private Ray cluster of ``nodes`` nodes whose processes import ray_ckpt from ``src``."""
+def cluster_fit(tmp: str, nodes: int, steps: int, fail_at: int) -> dict:
+    """One fit on a new private Ray cluster of ``nodes`` nodes. Its Ray processes import ray_ckpt as this
+    process does: Ray puts the driver's working directory first on their ``sys.path``."""
     import ray
     from ray.cluster_utils import Cluster
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [src, ENV_PYTHONPATH] if p)
     for attempt in range(3):   # a loaded machine can miss Ray's start-up deadlines (its agents start late)
         try:
             cluster = Cluster(initialize_head=True, head_node_args={
@@ -199,43 +201,61 @@ def cluster_fit(tmp: str, src: str, nodes: int, steps: int, fail_at: int) -> dic
         cluster.shutdown()
 
 
+def combine(paths: list[str]) -> dict:
+    """One result from the results of several runs (``--arm`` names each run's checkout): their fits per arm."""
+    fits: dict = {}
+    meta = None
+    for path in sorted(paths):
+        with open(path) as f:
+            r = json.load(f)
+        meta = meta or dict(r["meta"])
+        for arm, fs in r["fits"].items():
+            fits.setdefault(arm, []).extend(fs)
+    meta["repeats"] = max(len(fs) for fs in fits.values())
+    meta["combined_from"] = sorted(os.path.basename(p) for p in paths)
+    meta["arms"] = sorted(fits)
+    return {"meta": meta, "fits": fits, "summary": {arm: summarize(fs) for arm, fs in fits.items()}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--fail-at", type=int, default=20)
     ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--src", action="append", default=[], metavar="NAME=DIR",
-                    help="an arm: the Ray processes import ray_ckpt from DIR (a checkout with this benchmark); "
-                         "several arms alternate fit by fit (A B, B A, ...). Default: this checkout")
+    ap.add_argument("--arm", default="current", help="the name of this checkout's results (to compare checkouts: "
+                    "run each from its own directory, alternating, then --combine)")
+    ap.add_argument("--combine", nargs="+", metavar="JSON", help="only combine the results of earlier runs")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "startup"))
     ap.add_argument("--label", default="startup", help="base name of the result files")
     ap.add_argument("--tmp", default="/tmp", help="where the private Ray's temp folder goes (keep the path short)")
     a = ap.parse_args(argv)
+    if a.combine:
+        report.write_result(os.path.join(a.out, a.label), combine(a.combine), markdown, plot)
+        return 0
     if a.repeats < 1 or not 0 < a.fail_at < a.steps or a.nodes < 1:
         ap.error("need --repeats >= 1, 0 < --fail-at < --steps and --nodes >= 1")
-    arms = dict(x.split("=", 1) for x in a.src) if a.src else {"current": REPO}
     tmp = tempfile.mkdtemp(prefix="su", dir=a.tmp)   # short: Ray's socket paths must stay < 108 characters
     os.makedirs(os.path.join(tmp, "ray"))
     os.environ["RAY_TMPDIR"] = tmp
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-    fits: dict = {name: [] for name in arms}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [REPO, os.environ.get("PYTHONPATH")] if p)
+    fits: list = []
     try:
         for i in range(a.repeats):
-            for name in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
-                f = cluster_fit(tmp, arms[name], a.nodes, a.steps, a.fail_at)
-                fits[name].append(f)
-                print(f"[startup] {name} fit {i + 1}/{a.repeats}: " + "; ".join(
-                    f"{'restart' if x['restored'] else 'start'} rank {x['rank']} attach {x['attach_s']:.2f} s"
-                    for x in f["attempts"]), flush=True)
+            f = cluster_fit(tmp, a.nodes, a.steps, a.fail_at)
+            fits.append(f)
+            print(f"[startup] {a.arm} fit {i + 1}/{a.repeats}: " + "; ".join(
+                f"{'restart' if x['restored'] else 'start'} rank {x['rank']} attach {x['attach_s']:.2f} s"
+                for x in f["attempts"]), flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    params = next((x["params"] for fs in fits.values() for f in fs for x in f["attempts"]), 0)
+    params = next((x["params"] for f in fits for x in f["attempts"]), 0)
     meta = {"date": report.now(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "python": platform.python_version(), "nodes": a.nodes, "repeats": a.repeats, "steps": a.steps,
-            "fail_at": a.fail_at, "params": params, "arms": arms}
-    result = {"meta": meta, "fits": fits, "summary": {name: summarize(fs) for name, fs in fits.items()}}
+            "fail_at": a.fail_at, "params": params, "arms": [a.arm], "checkout": REPO}
+    result = {"meta": meta, "fits": {a.arm: fits}, "summary": {a.arm: summarize(fits)}}
     report.write_result(os.path.join(a.out, a.label), result, markdown, plot)
     return 0
 
