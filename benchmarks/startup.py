@@ -3,7 +3,8 @@
 Ray Train ``TorchTrainer`` with 2 CPU workers trains the Fashion-MNIST quickstart's shape (a 784-512-512-10 MLP
 with Dropout, SGD with momentum, batch 64 per worker, ``prepare_model``; synthetic data) with ray_ckpt attached
 as the README says (``RayCkptCallback`` + ``ray_ckpt.train.attach``, defaults). Rank 1 raises once at
-``--fail-at``, so Ray Train restarts the worker group and every fit gives one fresh start-up and one restart.
+``--fail-at`` (0: never), so Ray Train restarts the worker group and every fit gives one fresh start-up and one
+restart.
 Every rank records, per attempt, the seconds of ``import ray_ckpt.train``, of ``attach`` and of each of its
 phases (:attr:`ray_ckpt.train.TrainSession.startup`: the same figures as attach's INFO log line), and how long
 after ``fit()`` its loop began (Ray Train's own worker-group start, for scale).
@@ -66,7 +67,7 @@ def train_loop(cfg: dict) -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
     for step in range(session.start_step, cfg["steps"]):
         marker = os.path.join(cfg["out"], "failed")
-        if step == cfg["fail_at"] and rank == 1 and not os.path.exists(marker):
+        if cfg["fail_at"] and step == cfg["fail_at"] and rank == 1 and not os.path.exists(marker):
             open(marker, "w").close()
             raise RuntimeError(f"injected failure at step {step} (the benchmark's restart)")
         g = torch.Generator().manual_seed(step * 1000 + rank)
@@ -233,8 +234,8 @@ def main(argv=None) -> int:
     if a.combine:
         report.write_result(os.path.join(a.out, a.label), combine(a.combine), markdown, plot)
         return 0
-    if a.repeats < 1 or not 0 < a.fail_at < a.steps or a.nodes < 1:
-        ap.error("need --repeats >= 1, 0 < --fail-at < --steps and --nodes >= 1")
+    if a.repeats < 1 or not 0 <= a.fail_at < a.steps or a.nodes < 1:
+        ap.error("need --repeats >= 1, 0 <= --fail-at < --steps (0: no restart) and --nodes >= 1")
     tmp = tempfile.mkdtemp(prefix="su", dir=a.tmp)   # short: Ray's socket paths must stay < 108 characters
     os.makedirs(os.path.join(tmp, "ray"))
     os.environ["RAY_TMPDIR"] = tmp
