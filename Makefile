@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
 .PHONY: venv demo test test-fast reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber \
-	bench-coordinator bench-scale clean
+	bench-coordinator bench-scale bench-startup clean
 
 venv: $(STAMP)
 
@@ -75,6 +75,11 @@ bench-scale: $(STAMP)
 bench-amber: $(STAMP)
 	$(PY) -m benchmarks.paired --job gpt:10m:4 --blocks 16 --hook none --strategies lowdiff lowdiff-amber amber --runtime ray
 	$(PY) -m benchmarks.amber_select
+
+# where ray_ckpt.train.attach spends its seconds at start-up and after a restart (Ray Train, 2 CPU workers,
+# Fashion-MNIST MLP; 3 fits, ~5 min here)
+bench-startup: $(STAMP)
+	$(PY) -m benchmarks.startup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -115,8 +115,12 @@ class Checkpointer:
         if self.shard_spec is not None and not self.shard_spec.writes:
             self._follow_replica(optimizer, run, start_step)   # HSDP: replica 0 of this shard writes it
             return
+        t0 = time.perf_counter()
         with self._att.releasing_on_error():   # a failure below leaves nothing held (lease, writer thread, hooks)
             policy = self._attach_sink(impl, run, _attach_info(optimizer, start_step, durable_amber), takeover)
+            #: seconds of this attach's phases (runtime="ray": coordinator, replica, node_worker; first_full)
+            self.startup = dict(getattr(self._sink, "startup", None) or {"sink": time.perf_counter() - t0})
+            t1 = time.perf_counter()
             fp_every = self.config.fingerprint_every if getattr(self._sink, "replica_enabled", False) else 0
             self._capture = self._att.hold_capture(impl.make_capture(
                 model, optimizer, self._sink, policy, start_step=start_step, scheduler=scheduler, scaler=scaler,
@@ -129,6 +133,7 @@ class Checkpointer:
             self._sink.submit(self._capture.snapshot_now())
             if self.runtime is Runtime.RAY:   # held on two nodes (durable on a one-node cluster) when attach returns
                 self._sink.wait_safe()
+            self.startup["first_full"] = time.perf_counter() - t1
         self._drain_watch = _watch_drains(self.runtime, self._sink)
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.uri, self.generation, start_step)
 
@@ -219,7 +224,9 @@ class Checkpointer:
         the replica's figures (one actor call each): ``write_seconds``/``durable_bytes`` are the worker's
         durable writes, ``encode_seconds`` the sender thread's encode + hand-off time. With Amber, ``amber``
         counts the fulls its chain policy asked for (``early_fulls``: a merged increment grew too large) and the
-        merge requests (``merges``)."""
+        merge requests (``merges``). ``startup``: seconds of this attach's phases (``runtime="ray"``: the
+        coordinator's generation, the replica's and the node worker's start; ``first_full``: the attach full,
+        captured and safe)."""
         s = self._sink.stats
         committed = s.last_committed_step
         out = {"step": self.step, "generation": self.generation, "last_committed_step": committed,
@@ -231,7 +238,7 @@ class Checkpointer:
                "capture_seconds": self._capture.capture_seconds, "pending_bytes": self._sink.pending_bytes,
                "trainer_fulls": self._capture.full_snapshots,
                "full_every": self._capture.policy.full_every, "batch_steps": self._capture.policy.batch_steps,
-               "policy": self.policy_report()}
+               "policy": self.policy_report(), "startup": dict(self.startup)}
         if hasattr(self._capture, "early_fulls"):   # Amber: why fulls were taken, and the merged increments
             out["amber"] = {"early_fulls": self._capture.early_fulls, "merges": self._capture.merges}
         runtime_stats = getattr(self._sink, "runtime_stats", None)

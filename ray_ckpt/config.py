@@ -237,8 +237,10 @@ class CheckpointConfig:
     memory_budget: int = 2 * _GiB
     #: keep only the chains of the newest this-many durable full checkpoints of the current timeline (older fulls
     #: and their diffs, and abandoned branches, are deleted: by the coordinator from storage and memory with
-    #: runtime="ray", by the writer thread after each full with runtime="local"); 0 keeps everything
-    keep_fulls: int = 0
+    #: runtime="ray", by the writer thread after each full with runtime="local"). The default, 2, keeps every
+    #: step from the second-newest full on (a restore that falls back past a damaged newest full still has a
+    #: chain), so storage stays within about two full intervals; 0 keeps everything
+    keep_fulls: int = 2
     #: runtime="ray": the longest a captured step waits in the training process before it is handed to the
     #: node's persistence worker (seconds). Steps are handed over ``batch_steps`` at a time or after this
     #: delay, whichever comes first: one actor call per chunk, not per step. A crash of the training process

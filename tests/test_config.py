@@ -66,7 +66,7 @@ def test_precedence_default_env_config_keyword(monkeypatch):
     monkeypatch.setenv("RAY_CKPT_BATCH_STEPS", "2")
     monkeypatch.setenv("RAY_CKPT_KEEP_FULLS", "")            # empty: not set
     r = CheckpointConfig.resolve()
-    assert (r.full_every, r.batch_steps, r.keep_fulls) == (3, 2, 0)      # env over default
+    assert (r.full_every, r.batch_steps, r.keep_fulls) == (3, 2, 2)      # env over default
     assert r.pinned == {"full_every", "batch_steps"} and r.given == frozenset()
     r = CheckpointConfig.resolve(CheckpointConfig(full_every=7))
     assert (r.full_every, r.batch_steps) == (7, 2)                      # config over env, env for the rest

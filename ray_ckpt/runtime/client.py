@@ -5,6 +5,7 @@ Both run in the process that trains (a Ray Train worker, or any process connecte
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 
@@ -16,9 +17,25 @@ from ray_ckpt.runtime.coordinator import get_or_create_coordinator
 from ray_ckpt.runtime.plan_reader import load_plan
 from ray_ckpt.runtime.replica import get_or_create_replica
 from ray_ckpt.runtime.sink import RaySink
-from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE, object_store_capacity
+from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE, get_or_create_worker, object_store_capacity
 
 log = logging.getLogger("ray_ckpt")
+
+
+class PhaseClock:
+    """Seconds spent in the named phases of a start-up, in order (``mark(name)`` ends the phase running since the
+    previous mark). Any thread; no Ray."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def mark(self, name: str) -> float:
+        now = time.perf_counter()
+        took = now - self._t
+        self.phases[name] = self.phases.get(name, 0.0) + took
+        self._t = now
+        return took
 
 
 def _require_ray() -> None:
@@ -36,17 +53,53 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict, takeover:
     ``config.replica`` and a LowDiff strategy, the run's state-tier replica is created (on the next node in
     ring order, this one on a one-node cluster) before the attach full is handed over, so it starts from it."""
     _require_ray()
+    clock = PhaseClock()
     run = run_name(storage, run)
     coord = get_or_create_coordinator(run, storage, full_every=config.full_every, batch_steps=config.batch_steps,
                                       keep_fulls=config.keep_fulls, max_replica_lag=config.max_replica_lag,
                                       policy_options=config.policy_options(),
                                       takeover=takeover)
     generation, policy = ray.get([coord.new_generation.remote(), coord.get_policy.remote()])
+    clock.mark("coordinator")
+    # this node's persistence worker starts now, its process in parallel with the replica's (RaySink finds it
+    # by name and waits for it); each actor start is a new process that imports its modules (seconds)
+    start_node_worker(run, storage, config)
     replica = None
     if config.replica and impl.name == "lowdiff":
         replica = _place_replica(run, storage, full_every=policy.full_every, max_lag=config.max_replica_lag)
+    clock.mark("replica")
     sink = RaySink(run, storage, impl, generation, config=config, info=info, replica=replica is not None)
+    clock.mark("node_worker")
+    sink.startup = clock.phases
     return run, generation, policy, sink
+
+
+#: replica actors that :func:`prestart` created in this process and no attach has placed yet (their placement is
+#: still checked, as for a replica the attach creates itself)
+_prestarted: set[str] = set()
+
+
+def start_node_worker(run: str, storage, config):
+    """This node's persistence worker of ``run``, created if missing, without waiting for its process to start.
+    Training process."""
+    return get_or_create_worker(run, ray.get_runtime_context().get_node_id(), storage, config.memory_budget,
+                                config.write_timeout)
+
+
+def prestart(run: str, storage, *, config, lowdiff: bool, full_every: int) -> None:
+    """Start the actors an attach of ``run`` from this node will use (this node's persistence worker and, with
+    ``config.replica`` and ``lowdiff``, the state-tier replica on the ring peer), without waiting for them: their
+    processes start (seconds each: Python, Ray, torch) while the caller does other work, e.g. while the ranks
+    of a Ray Train group agree on the step to restore. The attach then finds them by name; a replica started
+    here is placed as if the attach had created it. Actors that exist are left as they are. Training process
+    (world rank 0), connected to Ray."""
+    _require_ray()
+    start_node_worker(run, storage, config)
+    if config.replica and lowdiff:
+        _, created = get_or_create_replica(run, _replica_node(), storage, full_every=full_every,
+                                           max_lag=config.max_replica_lag)
+        if created:
+            _prestarted.add(naming.replica_name(run))
 
 
 def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts: int = 3):
@@ -60,6 +113,9 @@ def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts
     for attempt in range(attempts):
         target = _replica_node()
         replica, created = get_or_create_replica(run, target, storage, full_every=full_every, max_lag=max_lag)
+        if naming.replica_name(run) in _prestarted:   # prestart() created it for this attach: not yet placed
+            _prestarted.discard(naming.replica_name(run))
+            created = True
         where = ray.get(replica.ping.remote())
         peers = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != me]
         if where != me or not peers:

@@ -1,0 +1,94 @@
+"""Retention by default: a run keeps the chains of its two newest fulls (``keep_fulls=2``), so storage stays
+bounded however long it runs; the latest and the oldest retained step restore bitwise, ``fallback`` still finds
+a chain past a damaged newest full, and ``keep_fulls=0`` (argument or ``RAY_CKPT_KEEP_FULLS``) keeps every step.
+runtime="local": no Ray."""
+from __future__ import annotations
+
+import pytest
+
+import ray_ckpt
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.storage import open_storage
+from tests import _training as T
+
+STEPS, FULL_EVERY = 40, 5
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return T.reference_states(STEPS)
+
+
+def _run(uri, steps=STEPS, **kw):
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    sch = T.make_scheduler(opt)
+    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=2, **kw) as ck:
+        for s in range(steps):
+            T.train_step("mlp", model, opt, sch, s)
+    return ck
+
+
+def _restore(uri, step=None, **kw):
+    m = T.make_model("mlp", seed=3)
+    o = T.make_optimizer("adamw", m)
+    sc = T.make_scheduler(o)
+    got = ray_ckpt.restore(uri, m, o, scheduler=sc, step=step, **kw)
+    return got, T.snapshot(m, o, sc)
+
+
+def _stored(uri):
+    """``(full steps, first step of every object, bytes of every object)`` on storage."""
+    lineage, _ = load_lineage(open_storage(uri), use_index=False)
+    ms = lineage.manifests
+    return (sorted(m.last_step for m in ms if m.kind == "full"), sorted(m.first_step for m in ms),
+            sum(m.nbytes for m in ms))
+
+
+def test_default_keeps_the_two_newest_fulls_and_restores_bitwise(tmp_path, ref, monkeypatch):
+    monkeypatch.delenv("RAY_CKPT_KEEP_FULLS", raising=False)   # the default (tests/conftest.py sets 0)
+    assert ray_ckpt.CheckpointConfig().keep_fulls == 2
+    uri = str(tmp_path / "default")
+    ck = _run(uri)
+    assert ck.config.keep_fulls == 2
+    fulls, firsts, nbytes = _stored(uri)
+    oldest = STEPS - FULL_EVERY
+    assert fulls == [oldest, STEPS]                       # 9 fulls were written, 2 are kept
+    assert min(firsts) == oldest                          # nothing older than the oldest kept full
+    # a run twice as long keeps the same amount (bounded by the fulls kept, not by the steps run)
+    uri2 = str(tmp_path / "short")
+    _run(uri2, steps=STEPS // 2)
+    assert nbytes <= 1.05 * _stored(uri2)[2], (nbytes, _stored(uri2)[2])
+    for step in (STEPS, oldest):                          # the latest and the oldest retained step, bitwise
+        got, state = _restore(uri, step=step)
+        assert got == step
+        T.assert_same(ref[step], state, f"step {step} of the retained range")
+    with pytest.raises(ray_ckpt.NoCheckpointError):       # collected: said clearly, never a wrong state
+        _restore(uri, step=oldest - 1)
+
+
+def test_fallback_past_a_damaged_newest_full_uses_the_older_kept_chain(tmp_path, ref, monkeypatch):
+    monkeypatch.delenv("RAY_CKPT_KEEP_FULLS", raising=False)   # the default (tests/conftest.py sets 0)
+    uri = str(tmp_path / "c")
+    _run(uri)
+    storage = open_storage(uri)
+    lineage, _ = load_lineage(storage)
+    newest = max((m for m in lineage.manifests if m.kind == "full"), key=lambda m: m.last_step)
+    data = bytearray(storage.read(newest.object))
+    data[len(data) // 2] ^= 0xFF
+    storage.write(newest.object, bytes(data))
+    got, state = _restore(uri, fallback=True)
+    assert STEPS - FULL_EVERY <= got <= STEPS, got      # from the older kept full's chain (or the diffs past it)
+    T.assert_same(ref[got], state, "fallback within the retained chains")
+
+
+def test_keep_fulls_zero_keeps_everything(tmp_path, ref, monkeypatch):
+    monkeypatch.setenv("RAY_CKPT_KEEP_FULLS", "0")        # the environment, as for every knob
+    uri = str(tmp_path / "all")
+    ck = _run(uri)
+    assert ck.config.keep_fulls == 0
+    fulls, firsts, _ = _stored(uri)
+    assert fulls == list(range(0, STEPS + 1, FULL_EVERY)) and min(firsts) == 0
+    got, state = _restore(uri, step=1)
+    assert got == 1
+    T.assert_same(ref[1], state, "step 1 with keep_fulls=0")
