@@ -30,6 +30,7 @@ from ray_ckpt.lineage.pointer import read_pointer
 from ray_ckpt.storage.base import ObjectNotFound
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy.adaptive import CommitFeed
+from ray_ckpt.policy.budget import BudgetPolicy, StepMeter
 from ray_ckpt import storage as _storage
 from ray_ckpt.engine import sharded as _sharded
 
@@ -110,6 +111,11 @@ class Checkpointer:
         self._att = Attachment()
         with self._att.releasing_on_error():   # a failure below leaves nothing held (lease, writer thread, hooks)
             policy = self._attach_sink(impl, run, _attach_info(optimizer, start_step, durable_amber), takeover)
+            # the overhead budget over the cost model's policy: LowDiff may leave steps unrecorded (a full every
+            # k steps); other strategies and sharded state are measured only
+            self.budget = policy = BudgetPolicy(policy, self.config.overhead_budget,
+                                                granular=impl.name == "lowdiff" and self.shard_spec is None,
+                                                max_k=self.config.max_full_every, on_change=self._budget_changed)
             fp_every = self.config.fingerprint_every if getattr(self._sink, "replica_enabled", False) else 0
             self._capture = self._att.hold_capture(impl.make_capture(
                 model, optimizer, self._sink, policy, start_step=start_step, scheduler=scheduler, scaler=scaler,
@@ -117,9 +123,12 @@ class Checkpointer:
             self._capture._copy.pool.max_bytes = self.config.max_pending_bytes
             if self.shard_spec is not None:
                 self._capture.sharding = _sharded.sharding_info(self.shard_spec)
+            self._capture.meter = _meter(self._sink, self._on_window)
             if self.runtime is Runtime.RAY:   # the sender publishes the capture's Ray metrics
                 self._sink.attach_capture(self._capture, start_step)
-            self._sink.submit(self._capture.snapshot_now())
+            full = self._capture.snapshot_now()
+            policy.hint_full(self._capture.last_snapshot_seconds or 0.0, full.nbytes)
+            self._sink.submit(full)
             if self.runtime is Runtime.RAY:   # held on two nodes (durable on a one-node cluster) when attach returns
                 self._sink.wait_safe()
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.uri, self.generation, start_step)
@@ -147,6 +156,20 @@ class Checkpointer:
             keep_fulls=c.keep_fulls, lease=lease,
             on_commit=(lambda m: feed.observe(m, att.sink, att.capture)) if feed is not None else None))
         return feed.policy if feed is not None else FixedFrequencyPolicy(c.full_every, c.batch_steps)
+
+    def _on_window(self, w) -> None:
+        """Training thread, once a measurement window: the overhead budget decides; with runtime="local" the
+        cost model gets the window (with runtime="ray" the sender ships it to the coordinator)."""
+        self.budget.observe(w)
+        if self._feed is not None:
+            self._feed.observe_window(w)
+
+    def _budget_changed(self, report: dict) -> None:
+        """Training thread: the overhead budget changed the recovery granularity."""
+        log.info("ray_ckpt: overhead budget %.1f %%: recovery points %s (lost-work bound %d steps): %s",
+                 100 * report["overhead_budget"],
+                 "every step" if report["mode"] == "every_step" else f"every {report['k']} steps (fulls)",
+                 report["lost_work_steps"], report["reason"])
 
     def policy_report(self) -> dict | None:
         """What the adaptive policy decides and why (None with policy="fixed"). Any thread."""
@@ -195,7 +218,10 @@ class Checkpointer:
                "capture_seconds": self._capture.capture_seconds, "pending_bytes": self._sink.pending_bytes,
                "trainer_fulls": self._capture.full_snapshots,
                "full_every": self._capture.policy.full_every, "batch_steps": self._capture.policy.batch_steps,
-               "policy": self.policy_report()}
+               "policy": self.policy_report(), "granularity": self.budget.report()}
+        meter = self._capture.meter
+        if meter is not None and meter.last is not None:   # the training process's latest measured window
+            out["granularity"]["window"] = meter.last.to_dict()
         if hasattr(self._capture, "early_fulls"):   # Amber: why fulls were taken, and the merged increments
             out["amber"] = {"early_fulls": self._capture.early_fulls, "merges": self._capture.merges}
         runtime_stats = getattr(self._sink, "runtime_stats", None)
@@ -204,6 +230,12 @@ class Checkpointer:
             w = rt.get("worker", {})
             out.update(write_seconds=w.get("write_seconds", 0.0), durable_bytes=w.get("bytes_written", 0),
                        durable_objects=w.get("objects_written", 0), runtime=rt)
+            if "durable_diffs" in rt:
+                out["durable_diffs"] = rt["durable_diffs"]
+        if isinstance(out["policy"], dict):   # the decisions made in this process, next to the cost model's
+            out["policy"]["granularity"] = out["granularity"]
+            if "durable_diffs" in out:
+                out["policy"]["durable_diffs"] = out["durable_diffs"]
         return out
 
     def __enter__(self) -> "Checkpointer":
@@ -221,6 +253,13 @@ class Checkpointer:
             pass
 
 
+def _meter(sink, on_window) -> StepMeter:
+    """The training thread's per-step measurements for the overhead budget (CPU clocks read once a window)."""
+    st = sink.stats
+    return StepMeter(clock=time.perf_counter, cpu=lambda: (time.process_time(), time.thread_time()),
+                     counters=lambda: (st.stall_seconds, st.bytes_written), on_window=on_window)
+
+
 def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: Runtime, impl,
                     shard_spec) -> tuple[CheckpointConfig, Amber | None]:
     """A Checkpointer's config in force (:meth:`CheckpointConfig.resolve`) and the Amber settings of
@@ -232,7 +271,7 @@ def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: R
     else:
         amber = None
     resolved = CheckpointConfig.resolve(config, **overrides)
-    if resolved.durable_diffs != "all" and runtime is not Runtime.RAY:
+    if resolved.durable_diffs not in ("all", "auto") and runtime is not Runtime.RAY:
         raise ValueError(f"durable_diffs={resolved.durable_diffs!r} needs runtime='ray' (a memory tier on "
                          f"two nodes); runtime={runtime.value!r} writes every step")
     durable_amber = _durable_amber(amber, resolved, impl, shard_spec)

@@ -398,7 +398,8 @@ class CommitFeed:
     at attach, in the training thread."""
 
     def __init__(self, storage, full_every: int, batch_steps: int, *, pinned=frozenset(), **options):
-        self.policy = AdaptivePolicy(full_every, batch_steps, pinned=pinned, clock=time.perf_counter)
+        # the step time comes from the training thread's measurement windows (:meth:`observe_window`)
+        self.policy = AdaptivePolicy(full_every, batch_steps, pinned=pinned)
         self.tuner = make_tuner(full_every, batch_steps, pinned=pinned, started_at=time.time(), policy=self.policy,
                                 **options)
         self.storage = storage
@@ -420,6 +421,11 @@ class CommitFeed:
         self.tuner.decide(now)
         if len(self.tuner.history) != before:
             publish_report(self.storage, self.tuner.report(now))
+
+    def observe_window(self, w) -> None:
+        """Training thread: a measured window of steps (:class:`ray_ckpt.policy.budget.Window`) for the cost
+        model: step time, capture, the optimizer step (replay) and the process's other CPU per step."""
+        self.tuner.model.observe_trainer(**w.to_dict())
 
     def report(self) -> dict:
         """:meth:`PolicyTuner.report` now. Any thread."""
