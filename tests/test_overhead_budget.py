@@ -96,13 +96,13 @@ def test_step_meter_windows_and_durable_choice():
 def _model(width: int, seed: int = 0):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
-    return m, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    return m, torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9)
 
 
 def _step(m, opt, step: int, width: int, sleep: float = 0.0):
     g = torch.Generator().manual_seed(step)
     x = torch.randn(1, width, generator=g)
-    loss = m(x).square().mean()
+    loss = torch.tanh(m(x)).mean()
     opt.zero_grad()
     loss.backward()
     if sleep:
@@ -122,16 +122,19 @@ def _assert_points_restore_bitwise(uri, width, steps: list[int]):
         assert ray_ckpt.restore(uri, m, opt, step=s) == s
         for a, b in zip(m.parameters(), twin.parameters()):
             assert torch.equal(a, b), s
-        for a, b in zip(m.parameters(), twin.parameters()):
-            assert torch.equal(opt.state[a]["momentum_buffer"], topt.state[b]["momentum_buffer"]), s
+        got, want = opt.state_dict()["state"], topt.state_dict()["state"]
+        assert got.keys() == want.keys(), s
+        for i in want:
+            assert all(torch.equal(got[i][k], v) for k, v in want[i].items()), s
 
 
 def test_expensive_loop_records_a_full_every_k_steps_and_each_restores_bitwise(tmp_path, capsys):
-    """A 16 MB dense gradient per step of a batch-1 step, with a 0.1 % budget: recording every step cannot fit,
-    so the policy records a full every k steps; every recovery point it reports restores bitwise."""
+    """A 16 MB dense gradient per step of a batch-1 step: recording every step costs about as much as the step
+    (its copy alone), far beyond the 5 % budget, so the policy records a full every k steps (at most 300 here,
+    to keep the test short); every recovery point it reports restores bitwise."""
     width, uri = 2048, str(tmp_path / "ck")
     m, opt = _model(width)
-    ck = ray_ckpt.Checkpointer(uri, m, opt, overhead_budget=0.001, policy="fixed", full_every=1000)
+    ck = ray_ckpt.Checkpointer(uri, m, opt, overhead_budget=0.05, max_full_every=300)
     step, deadline, fulls_at_switch = 0, time.monotonic() + 60, None
     while time.monotonic() < deadline:
         step += 1
@@ -147,7 +150,7 @@ def test_expensive_loop_records_a_full_every_k_steps_and_each_restores_bitwise(t
     gran = st["granularity"]
     assert gran["mode"] in ("every_k", "fulls_only"), gran
     assert gran["k"] >= 2 and gran["lost_work_steps"] == gran["k"]
-    assert st["policy"]["granularity"] is st["granularity"] or st["policy"]["granularity"] == gran
+    assert st["policy"]["granularity"] == gran and st["full_every"] == gran["k"]
     lineage, _ = load_lineage(open_storage(uri))
     gen = lineage.generations[-1]
     assert lineage.uncovered_steps(gen) == []            # unrecorded by choice: not a gap
