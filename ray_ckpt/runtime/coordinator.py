@@ -448,7 +448,8 @@ class Coordinator:
         to the adaptive policy's cost model."""
         if trainer:
             try:
-                self.tuner.model.observe_trainer(**trainer)
+                self.tuner.observe_trainer(**trainer)
+                self._decide()
             except (TypeError, ValueError) as e:   # a malformed report must not fail the control call
                 log.debug("ray_ckpt coordinator: trainer report ignored: %s", e)
         want = generation in self._want_full
