@@ -69,7 +69,7 @@ def _body(cell: dict, out: dict) -> None:
     base_cpu = (time.process_time() - p0) / base_steps
     base_thread = (time.thread_time() - t0) / base_steps
     base_wall = (time.perf_counter() - w0) / base_steps
-    kw = {"runtime": cell["runtime"]}
+    kw = {"runtime": cell["runtime"], "overhead_budget": cell["budget"]}
     if cell["runtime"] == "ray":
         kw["run"] = f"bench-budget-{os.getpid()}"
     ck = ray_ckpt.Checkpointer(cell["uri"], ckm, copt, **kw)
@@ -98,7 +98,7 @@ def _body(cell: dict, out: dict) -> None:
     s1 = ck.stats()
     ck.close()
     gran = s1["granularity"]
-    out.update(runtime=cell["runtime"], samples=samples, base_step_s=base_wall, base_cpu_s=base_cpu,
+    out.update(runtime=cell["runtime"], budget=cell["budget"], samples=samples, base_step_s=base_wall, base_cpu_s=base_cpu,
                base_thread_cpu_s=base_thread,
                cpu_per_step_s=(proc - pl_steps * base_cpu) / ck_steps, thread_cpu_per_step_s=thread_ck / ck_steps,
                bytes_per_step=(s1["bytes_written"] - s0["bytes_written"]) / ck_steps,
@@ -125,25 +125,28 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=50)
     p.add_argument("--settle", type=float, default=20.0, help="seconds the policy measures before the blocks")
     p.add_argument("--runtimes", nargs="+", default=["local", "ray"])
+    p.add_argument("--budgets", nargs="+", type=float, default=[0.05],
+                   help="overhead_budget values (0: every step recorded, to see the per-step cost itself)")
     p.add_argument("--out", default=harness.RESULTS)
+    p.add_argument("--name", default="budget", help="basename of the outputs")
     args = p.parse_args(argv)
     log = harness.logger("budget")
     harness.preimport()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-budget-") as tmp:
-        for runtime in args.runtimes:
-            d = os.path.join(tmp, runtime)
+        for runtime, budget in [(r, b) for r in args.runtimes for b in args.budgets]:
+            d = os.path.join(tmp, f"{runtime}-{budget}")
             os.makedirs(d)
             cell = {"runtime": runtime, "uri": os.path.join(d, "ckpt"), "block": args.block,
-                    "rounds": args.rounds, "settle_s": args.settle}
+                    "rounds": args.rounds, "settle_s": args.settle, "budget": budget}
 
             def run_one():
                 proc = harness.spawn(harness.process_main, (d, lambda out: _body(cell, out), "result.json"))
                 harness.reap([proc], timeout=1800)
                 return harness.read_json(os.path.join(d, "result.json")) or {"error": "no result"}
 
-            log(f"runtime={runtime}")
+            log(f"runtime={runtime} overhead_budget={budget}")
             if runtime == "ray":
                 with harness.private_ray(os.path.join(d, "rayhost"), num_cpus=2, object_store_mb=512) as host:
                     cell["address"] = host.address
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
                 res = run_one()
             if "error" in res:
                 log(f"runtime={runtime} failed: {res['error']}\n{res.get('traceback', '')}")
-                rows.append({"runtime": runtime, "error": res["error"]})
+                rows.append({"runtime": runtime, "budget": budget, "error": res["error"]})
                 continue
             m, lo, hi = mean_ci(res["samples"])
             res.update(overhead_mean=m, overhead_ci=[lo, hi])
@@ -162,11 +165,12 @@ def main(argv=None) -> int:
             rows.append(res)
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": _machine(),
               "args": vars(args), "rows": rows}
-    with open(os.path.join(args.out, "budget.json"), "w") as f:
+    base = os.path.join(args.out, args.name)
+    with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1, default=str)
-    _write_md(result, os.path.join(args.out, "budget.md"))
-    _plot(rows, os.path.join(args.out, "budget.png"))
-    log(f"wrote {args.out}/budget.json, budget.md, budget.png")
+    _write_md(result, base + ".md")
+    _plot(rows, base + ".png")
+    log(f"wrote {base}.json, .md, .png")
     return 0 if all("error" not in r for r in rows) else 1
 
 
@@ -182,20 +186,21 @@ def _write_md(result: dict, path: str) -> None:
     lines = [f"# Overhead budget, Fashion-MNIST-shaped loop ({result['date']})", "",
              f"Machine: {result['machine']['cpus']} CPUs, load average at the end {result['machine']['loadavg_at_end']}"
              " (shared with other jobs while it ran: the intervals carry that noise).", "",
-             "| runtime | mean step overhead [95 % CI] | granularity | lost-work bound | bytes/step | "
+             "| runtime | budget | mean step overhead [95 % CI] | granularity | lost-work bound | bytes/step | "
              "process CPU/step (plain) | training thread CPU/step (plain) | durable_diffs |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+             "|---|---:|---|---|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['runtime']} | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['runtime']} | {r['budget']} | error: {r['error']} | | | | | | |")
             continue
         lo, hi = r["overhead_ci"]
         dd = (r.get("durable_diffs") or {}).get("mode", "all (local)")
-        lines.append(f"| {r['runtime']} | {100 * r['overhead_mean']:+.1f} % [{100 * lo:+.1f}, {100 * hi:+.1f}] | "
+        lines.append(f"| {r['runtime']} | {r['budget']} | {100 * r['overhead_mean']:+.1f} % [{100 * lo:+.1f}, {100 * hi:+.1f}] | "
                      f"{r['mode']} (k={r['k']}) | {r['lost_work_steps']} steps | {r['bytes_per_step'] / 1e3:.0f} kB | "
                      f"{1e3 * r['cpu_per_step_s']:.2f} ms ({1e3 * r['base_cpu_s']:.2f} ms) | "
                      f"{1e3 * r['thread_cpu_per_step_s']:.2f} ms ({1e3 * r['base_thread_cpu_s']:.2f} ms) | {dd} |")
-    lines += ["", "Reasons:"] + [f"- {r['runtime']}: {r.get('reason', r.get('error'))}" for r in result["rows"]]
+    lines += ["", "Reasons:"] + [f"- {r['runtime']} (budget {r['budget']}): {r.get('reason', r.get('error'))}"
+                                 for r in result["rows"]]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -214,7 +219,7 @@ def _plot(rows: list, path: str) -> None:
            [100 * (r["overhead_ci"][1] - r["overhead_mean"]) for r in ok]]
     ax.bar(xs, ms, yerr=err, capsize=6, color="#4c72b0")
     ax.axhline(5.0, color="#c44e52", ls="--", label="budget 5 %")
-    ax.set_xticks(list(xs), [f"{r['runtime']}\n{r['mode']} k={r['k']}" for r in ok])
+    ax.set_xticks(list(xs), [f"{r['runtime']} b={r['budget']:g}\n{r['mode']} k={r['k']}" for r in ok])
     ax.set_ylabel("mean step-time overhead, % (95 % CI)")
     ax.legend()
     fig.tight_layout()

@@ -73,8 +73,8 @@ class Checkpointer:
     when the world size changed (see :mod:`ray_ckpt.engine.sharded`). With ``runtime="ray"`` every shard lineage
     is a run of its own (``run`` + ``:shard-w<world>-r<rank>``): its coordinator, node workers and replica.
 
-    ``durable_diffs`` (``runtime="ray"``): what the durable tier gets besides the fulls — ``"all"`` (default:
-    every step's record), ``"fulls"`` (step records stay in memory on two nodes), or ``"amber"`` / an
+    ``durable_diffs`` (``runtime="ray"``): what the durable tier gets besides the fulls — ``"auto"`` (default:
+    ``"all"`` while the measured storage bandwidth allows, else ``"fulls"``), ``"all"`` (every step's record), ``"fulls"`` (step records stay in memory on two nodes), or ``"amber"`` / an
     ``Amber(...)`` (LowDiff with the replica: as ``"fulls"``, and the state tier's replica writes Amber increments
     of its own state, so that every step restores from storage alone within the Amber bound; the trainer sends
     nothing more for them; see :mod:`ray_ckpt.engine.amber_tier`).
@@ -86,6 +86,10 @@ class Checkpointer:
     ``policy="adaptive"`` (default) lets the policy choose ``full_every``/``batch_steps`` online from measured
     costs and failures (``mtbf_hint``: prior MTBF in seconds); values given explicitly are kept, and
     :meth:`policy_report` / ``stats()["policy"]`` say what it would choose and why. ``policy="fixed"``: never.
+
+    ``overhead_budget`` (default 0.05): the share of the step time checkpointing may cost this process, measured
+    on the training thread; beyond it LowDiff records a full every k steps instead of every step
+    (``self.budget``, ``stats()["granularity"]``: the mode, k, the lost-work bound and why).
     """
 
     def __init__(self, uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,

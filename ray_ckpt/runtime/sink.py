@@ -208,6 +208,7 @@ class RaySink(BoundedSink):
         chunk_t0 = 0.0
         last_arrival, gap_ewma = None, None   # step records' inter-arrival time (smoothed)
         cpu0 = time.thread_time()
+        hk_t = 0.0   # the last housekeeping (Ray calls: reap answers, poll, control, metrics)
         while True:
             entry = None
             with self._cv:
@@ -263,10 +264,15 @@ class RaySink(BoundedSink):
                         if close_batch or len(chunk) >= self.batch_steps or self._pressure or slow:
                             self._handoff(chunk)
                             chunk = []
+                        elif time.monotonic() - hk_t < _REAP_S:
+                            # a record only collected: no Ray call per step (ray.wait on the hand-offs in flight
+                            # holds the interpreter lock the training thread needs); at least every _REAP_S
+                            continue
                 elif chunk and time.monotonic() >= chunk_t0 + self.handoff_delay:
                     self._handoff(chunk)
                     chunk = []
                 self._housekeeping()
+                hk_t = time.monotonic()
                 self.sender_cpu_seconds = time.thread_time() - cpu0
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self._fail(e, entry[0] if entry is not None else None)
