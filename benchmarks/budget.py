@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -148,9 +149,13 @@ def main(argv=None) -> int:
 
             log(f"runtime={runtime} overhead_budget={budget}")
             if runtime == "ray":
-                with harness.private_ray(os.path.join(d, "rayhost"), num_cpus=2, object_store_mb=512) as host:
-                    cell["address"] = host.address
-                    res = run_one()
+                short = tempfile.mkdtemp(prefix="bb-", dir="/tmp")   # AF_UNIX socket paths: at most 107 bytes
+                try:
+                    with harness.private_ray(short, num_cpus=2, object_store_mb=512) as host:
+                        cell["address"] = host.address
+                        res = run_one()
+                finally:
+                    shutil.rmtree(short, ignore_errors=True)
             else:
                 res = run_one()
             if "error" in res:
@@ -161,7 +166,8 @@ def main(argv=None) -> int:
             res.update(overhead_mean=m, overhead_ci=[lo, hi])
             log(f"runtime={runtime}: mean overhead {100 * m:+.1f} % [{100 * lo:+.1f}, {100 * hi:+.1f}], "
                 f"{res['mode']} k={res['k']}, {res['bytes_per_step'] / 1e3:.0f} kB/step, CPU/step "
-                f"{1e3 * res['cpu_per_step_s']:.2f} ms (plain {1e3 * res['base_cpu_s']:.2f} ms)")
+                f"{1e3 * res['cpu_per_step_s']:.2f} ms (plain {1e3 * res['base_cpu_s']:.2f} ms); "
+                f"measured {res['measured_overhead']}: {res['reason']}")
             rows.append(res)
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": _machine(),
               "args": vars(args), "rows": rows}

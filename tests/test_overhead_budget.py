@@ -154,6 +154,7 @@ def test_expensive_loop_records_a_full_every_k_steps_and_each_restores_bitwise(t
     lineage, _ = load_lineage(open_storage(uri))
     gen = lineage.generations[-1]
     assert lineage.uncovered_steps(gen) == []            # unrecorded by choice: not a gap
+    assert lineage.head() == step                        # close() took a full of the last, unrecorded step
     fulls = sorted(mm.last_step for mm in lineage.manifests if mm.kind == "full")
     assert any(mm.info.get("unrecorded_from") for mm in lineage.manifests if mm.kind == "full")
     points = lineage.reachable_steps(gen)

@@ -444,8 +444,18 @@ class CaptureBase:
             return full
 
     def flush_pending(self) -> None:
-        """Finalize a pending record now (flush/close). Training thread."""
+        """Finalize a pending record now (flush/close); when the overhead budget left the latest steps
+        unrecorded, take a full of the current state, so that a flush makes the latest step recoverable too.
+        Training thread."""
         self._finalize()
+        with self._lock:
+            if self.last_point < self.step and not getattr(self.policy, "recording", True):
+                full = self._snapshot(self.step, self._attach_loop())
+                full.manifest_info = {"unrecorded_from": self.last_point + 1,
+                                      "recovery_every": int(getattr(self.policy, "k", 1))}
+                full.ready = self._copy.event()
+                self.last_full_step = self.last_point = self.step
+                self.sink.submit(full)
 
     def detach(self) -> None:
         for h in self._handles:

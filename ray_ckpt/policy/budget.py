@@ -37,6 +37,9 @@ from dataclasses import asdict, dataclass
 
 from ray_ckpt.policy.frequency import StepContext, StepDecision
 
+#: a step that took longer than this many times the previous window's mean step is a pause: its excess is not
+#: step time (evaluation, a checkpoint of something else between steps)
+PAUSE_FACTOR = 10.0
 #: a choice of k within this factor of the one in force is not adopted
 K_HYSTERESIS = 1.25
 #: every_step is chosen again when its last measured cost is below this share of the budget
@@ -91,12 +94,13 @@ class StepMeter:
         self.on_window = on_window
         self.last: Window | None = None        #: the latest window closed
         self.windows = 0
+        self.pauses = 0                        #: steps whose wall time counted as a pause (see PAUSE_FACTOR)
         self.recording = True                  #: set by the capture: whether the current steps are recorded
         self._reset(first=True)
 
     def _reset(self, first: bool = False) -> None:
         self._n = 0
-        self._wall = self._hook = self._opt = self._snap = self._hook_cpu = 0.0
+        self._wall = self._hook = self._opt = self._snap = self._hook_cpu = self._paused = 0.0
         self._fulls = 0
         self._mixed = False
         self._t0 = None if first else self._t0
@@ -114,18 +118,24 @@ class StepMeter:
         of the training thread's CPU; None: as ``hook_s``), ``optimizer_s`` in ``optimizer.step()`` itself.
         Returns the window it closed, if any."""
         self._n += 1
+        typical = self.last.step_s if self.last is not None else None
+        if typical is not None and wall_s > PAUSE_FACTOR * typical:
+            # a pause between steps (evaluation, a checkpoint of something else, another model's steps): not step
+            # time; the step itself is taken as typical
+            self._paused += wall_s - typical
+            self.pauses += 1
         self._wall += wall_s
         self._hook += hook_s
         self._hook_cpu += hook_s if hook_cpu_s is None else hook_cpu_s
         self._opt += optimizer_s
-        if self._n < self.min_steps or self._wall < self.window_s:
+        if self._n < self.min_steps or self._wall - self._paused < self.window_s:
             return None
         p1, t1 = self.cpu()
         p0, t0 = self._cpu0
         stall1, bytes1 = self.counters() if self.counters is not None else (0.0, 0.0)
         stall0, bytes0 = self._ctr0
         n = self._n
-        w = Window(steps=n, step_s=self._wall / n, capture_s=self._hook / n, optimizer_s=self._opt / n,
+        w = Window(steps=n, step_s=(self._wall - self._paused) / n, capture_s=self._hook / n, optimizer_s=self._opt / n,
                    stall_s=max(0.0, stall1 - stall0) / n,
                    other_cpu_s=max(0.0, (p1 - p0) - (t1 - t0)) / n, fulls=self._fulls, snapshot_s=self._snap,
                    bytes=max(0.0, bytes1 - bytes0) / n, recorded=self.recording, capture_cpu_s=self._hook_cpu / n)
