@@ -260,8 +260,17 @@ class Checkpointer:
 def _meter(sink, on_window) -> StepMeter:
     """The training thread's per-step measurements for the overhead budget (CPU clocks read once a window)."""
     st = sink.stats
-    return StepMeter(clock=time.perf_counter, cpu=lambda: (time.process_time(), time.thread_time()),
+    return StepMeter(clock=time.perf_counter, cpu=lambda: (time.process_time(), time.thread_time(), _run_queue_wait()),
                      counters=lambda: (st.stall_seconds, st.bytes_written), on_window=on_window)
+
+
+def _run_queue_wait() -> float:
+    """Seconds the calling thread has waited for a core (Linux schedstat; 0.0 elsewhere). Training thread."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: Runtime, impl,

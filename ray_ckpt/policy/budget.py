@@ -84,7 +84,8 @@ class Window:
 class StepMeter:
     """Measures the training process's per-step figures (training thread; see the module docstring).
 
-    ``clock``: wall seconds (perf_counter); ``cpu``: ``() -> (process_cpu, this_thread_cpu)``; ``counters``:
+    ``clock``: wall seconds (perf_counter); ``cpu``: ``() -> (process_cpu, this_thread_cpu[, this_thread_waited])``
+    (the last: seconds this thread waited for a core, where the system tells; it is not counted as step time); ``counters``:
     ``() -> (stall_seconds, bytes_handed_over)`` of the sink (cumulative). ``on_window`` gets each
     :class:`Window` (training thread)."""
 
@@ -130,12 +131,17 @@ class StepMeter:
         self._opt += optimizer_s
         if self._n < self.min_steps or self._wall - self._paused < self.window_s:
             return None
-        p1, t1 = self.cpu()
-        p0, t0 = self._cpu0
+        c1 = self.cpu()
+        p1, t1 = c1[0], c1[1]
+        p0, t0 = self._cpu0[0], self._cpu0[1]
+        # the training thread's time waiting for a core (preempted: an oversubscribed machine), when the clock
+        # gives it: not step time either, or the budget would be measured against a step the machine slowed
+        waited = max(0.0, c1[2] - self._cpu0[2]) if len(c1) > 2 and len(self._cpu0) > 2 else 0.0
+        waited = min(waited, 0.9 * max(0.0, self._wall - self._paused - self._hook))
         stall1, bytes1 = self.counters() if self.counters is not None else (0.0, 0.0)
         stall0, bytes0 = self._ctr0
         n = self._n
-        w = Window(steps=n, step_s=(self._wall - self._paused) / n, capture_s=self._hook / n, optimizer_s=self._opt / n,
+        w = Window(steps=n, step_s=(self._wall - self._paused - waited) / n, capture_s=self._hook / n, optimizer_s=self._opt / n,
                    stall_s=max(0.0, stall1 - stall0) / n,
                    other_cpu_s=max(0.0, (p1 - p0) - (t1 - t0)) / n, fulls=self._fulls, snapshot_s=self._snap,
                    bytes=max(0.0, bytes1 - bytes0) / n, recorded=self.recording, capture_cpu_s=self._hook_cpu / n)
