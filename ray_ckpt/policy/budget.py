@@ -62,6 +62,8 @@ class Window:
     recorded: bool         #: whether the window's steps were recorded (LowDiff records)
     #: the training thread's CPU in the capture hooks (without the time it was preempted or waited)
     capture_cpu_s: float = 0.0
+    #: wall time per step with the pauses and waits for a core included (the cost model's step: pauses amortized)
+    wall_s: float = 0.0
 
     @property
     def cost_s(self) -> float:
@@ -144,7 +146,8 @@ class StepMeter:
         w = Window(steps=n, step_s=(self._wall - self._paused - waited) / n, capture_s=self._hook / n, optimizer_s=self._opt / n,
                    stall_s=max(0.0, stall1 - stall0) / n,
                    other_cpu_s=max(0.0, (p1 - p0) - (t1 - t0)) / n, fulls=self._fulls, snapshot_s=self._snap,
-                   bytes=max(0.0, bytes1 - bytes0) / n, recorded=self.recording, capture_cpu_s=self._hook_cpu / n)
+                   bytes=max(0.0, bytes1 - bytes0) / n, recorded=self.recording, capture_cpu_s=self._hook_cpu / n,
+                   wall_s=self._wall / n)
         self.last = w
         self.windows += 1
         self._reset()

@@ -216,13 +216,13 @@ class CostModel:
             self.step.add(seconds)
 
     def observe_trainer(self, *, steps: int, step_s: float, capture_s: float, optimizer_s: float,
-                        other_cpu_s: float, **_ignored) -> None:
+                        other_cpu_s: float, wall_s: float = 0.0, **_ignored) -> None:
         """A window of ``steps`` training steps measured in the training process (per-step means, seconds: wall
-        time, capture hooks, ``optimizer.step()`` alone, the process's CPU outside the training thread): from
+        time ``wall_s`` with pauses, else ``step_s``; capture hooks, ``optimizer.step()`` alone, the process's CPU outside the training thread): from
         :class:`ray_ckpt.policy.budget.StepMeter`. Any thread that owns the model."""
         if steps < 1 or not step_s > 0:
             return
-        self.step.add_mean(step_s, steps)
+        self.step.add_mean(wall_s if wall_s > 0 else step_s, steps)   # pauses amortized (see the field)
         self.diff_block.add_mean(capture_s, steps)
         if optimizer_s > 0:
             self.optimizer_step.add_mean(optimizer_s, steps)
