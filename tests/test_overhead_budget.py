@@ -167,20 +167,20 @@ def test_expensive_loop_records_a_full_every_k_steps_and_each_restores_bitwise(t
 
 
 def test_cheap_loop_keeps_every_step(tmp_path):
-    """A 20 ms step whose checkpoint costs a few hundred bytes: every step stays recorded and restorable."""
+    """A 50 ms step whose checkpoint costs a few hundred bytes: every step stays recorded and restorable."""
     width, uri = 8, str(tmp_path / "ck")
     m, opt = _model(width)
     with ray_ckpt.Checkpointer(uri, m, opt, overhead_budget=0.05) as ck:
         step, deadline = 0, time.monotonic() + 3.0
         while time.monotonic() < deadline or ck._capture.meter.windows < 2:
             step += 1
-            _step(m, opt, step, width, sleep=0.02)
+            _step(m, opt, step, width, sleep=0.05)
         ck.flush()
         st = ck.stats()
     assert st["granularity"]["mode"] == "every_step" and st["granularity"]["lost_work_steps"] == 1
     assert st["granularity"]["measured_overhead"] is not None
     est = st["policy"]["estimates"]
-    assert est["step"]["n"] > 0 and est["step"]["mean"] > 0.02 > est["optimizer_step"]["mean"] > 0
+    assert est["step"]["n"] > 0 and est["step"]["mean"] > 0.05 > est["optimizer_step"]["mean"] > 0
     assert est["replay"]["source"].startswith("optimizer.step()")
     lineage, _ = load_lineage(open_storage(uri))
     assert lineage.reachable_ranges(lineage.generations[-1]) == [(0, step)]

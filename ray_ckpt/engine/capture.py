@@ -247,6 +247,7 @@ class CaptureBase:
         #: the latest step handed to the sink as a record or a full (steps after it and before the next full
         #: the overhead budget left unrecorded are named in that full's manifest)
         self.last_point = start_step
+        self._full_owed = False   # a full was due at a step captured without its loop state: take it at the next
         self._handles = [optimizer.register_step_pre_hook(self._pre_hook),
                          optimizer.register_step_post_hook(self._post_hook)]
         self._updates_since_step = 0
@@ -320,16 +321,20 @@ class CaptureBase:
         with self._lock:
             step = self.step + 1
             loop = {}
-            if self.capture_rng:
+            # an unrecorded step that will not be a full (the overhead budget's every-k mode) needs no loop state
+            needs = getattr(self.policy, "needs_state", None)
+            light = not self._full_owed and needs is not None and not needs(step, self.last_full_step)
+            if self.capture_rng and not light:
                 loop["rng"] = rng_state()
-            if self.extra_state is not None:
+            if self.extra_state is not None and not light:
                 loop["extra"] = self._copy.tree(self.extra_state.state_dict())
-            if self.fingerprint_every and step % self.fingerprint_every == 0:
+            if self.fingerprint_every and step % self.fingerprint_every == 0 and not light:
                 loop[FINGERPRINT_KEY] = self._copy(fingerprint(self.params), fresh=True)
             buffers = {}
-            if self.capture_buffers:
+            if self.capture_buffers and not light:
                 buffers = {n: self._copy(b) for n, b in self._buffers}
             self._pending = self._make_record(step, loop, buffers)
+            self._pending.light = light
             self._updates_since_step = 0
             self.step = step
             if self.scheduler is None and self.scaler is None:
@@ -364,6 +369,13 @@ class CaptureBase:
             decision = self._amend_decision(rec, decision)
             # a record without its gradients (the overhead budget skipped them) is never handed over
             record = decision.record and not getattr(rec, "unrecorded", False)
+            if decision.full and getattr(rec, "light", False):   # no loop state to make a full of: the next step
+                self._full_owed = True
+                decision = StepDecision(full=False, close_batch=decision.close_batch, record=decision.record)
+            elif self._full_owed:
+                self._full_owed = False
+                decision = StepDecision(full=True, close_batch=True, record=decision.record)
+            gap_from = self.last_point + 1     # the first step after the latest recovery point
             if self._full_control is not None:
                 delegated, wanted = self._full_control()
                 if wanted:
@@ -375,8 +387,8 @@ class CaptureBase:
             full = None
             if decision.full:
                 full = self._snapshot(rec.step, dict(rec.loop), rec)
-                if self.last_point + 1 < rec.step and not record:   # steps left unrecorded before this full
-                    full.manifest_info = {"unrecorded_from": self.last_point + 1,
+                if gap_from < rec.step:   # steps left unrecorded before this full (and this step's record)
+                    full.manifest_info = {"unrecorded_from": gap_from,
                                           "recovery_every": int(getattr(self.policy, "k", 1))}
             rec.ready = self._copy.event()
             if record:

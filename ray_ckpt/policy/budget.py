@@ -223,6 +223,13 @@ class BudgetPolicy:
             return StepDecision(full=d.full, close_batch=True, record=True)
         return d
 
+    def needs_state(self, step: int, last_full_step: int) -> bool:
+        """Whether step ``step``'s loop state must be captured (training thread, post-step hook, O(1)): always
+        while recording; in the every-k modes only where a full may be taken (due, or a switch pending). A full
+        that comes due anyway at a step captured without it (a full the coordinator asks for) is taken at the
+        next step."""
+        return self.recording or self._switch_to is not None or step - last_full_step >= self.k
+
     # -- training thread, once a window ------------------------------------------------------------------------
     def observe(self, w: Window) -> None:
         self._seen += 1
