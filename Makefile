@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
 .PHONY: venv demo test test-fast reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber \
-	bench-coordinator bench-scale bench-startup clean
+	bench-coordinator bench-scale bench-startup bench-budget clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,11 @@ bench-fsdp: $(STAMP)
 	$(PY) -m benchmarks.fsdp
 	$(PY) -m benchmarks.fsdp --runtime ray
 	$(PY) -m benchmarks.fsdp --replicas 2
+
+# the overhead budget on the Fashion-MNIST-shaped loop, both runtimes: mean step overhead (95 % CI), the
+# granularity chosen, lost-work bound, bytes and training-process CPU per step (~3 min)
+bench-budget: $(STAMP)
+	$(PY) -m benchmarks.budget
 
 # the coordinator's periodic work against the length of a run (lineages of 10,000-360,000 steps; ~1 min)
 bench-coordinator: $(STAMP)

@@ -31,6 +31,7 @@ from ray_ckpt.lineage.pointer import read_pointer
 from ray_ckpt.storage.base import ObjectNotFound
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy.adaptive import CommitFeed
+from ray_ckpt.policy.budget import BudgetPolicy, StepMeter
 from ray_ckpt import storage as _storage
 from ray_ckpt.engine import sharded as _sharded
 
@@ -76,8 +77,8 @@ class Checkpointer:
     Checkpointer only counts steps (``last_committed_step`` stays None). ``strategy=Amber()`` works on sharded
     state with ``runtime="local"``.
 
-    ``durable_diffs`` (``runtime="ray"``): what the durable tier gets besides the fulls — ``"all"`` (default:
-    every step's record), ``"fulls"`` (step records stay in memory on two nodes), or ``"amber"`` / an
+    ``durable_diffs`` (``runtime="ray"``): what the durable tier gets besides the fulls — ``"auto"`` (default:
+    ``"all"`` while the measured storage bandwidth allows, else ``"fulls"``), ``"all"`` (every step's record), ``"fulls"`` (step records stay in memory on two nodes), or ``"amber"`` / an
     ``Amber(...)`` (LowDiff with the replica: as ``"fulls"``, and the state tier's replica writes Amber increments
     of its own state, so that every step restores from storage alone within the Amber bound; the trainer sends
     nothing more for them; see :mod:`ray_ckpt.engine.amber_tier`).
@@ -89,6 +90,10 @@ class Checkpointer:
     ``policy="adaptive"`` (default) lets the policy choose ``full_every``/``batch_steps`` online from measured
     costs and failures (``mtbf_hint``: prior MTBF in seconds); values given explicitly are kept, and
     :meth:`policy_report` / ``stats()["policy"]`` say what it would choose and why. ``policy="fixed"``: never.
+
+    ``overhead_budget`` (default 0.05): the share of the step time checkpointing may cost this process, measured
+    on the training thread; beyond it LowDiff records a full every k steps instead of every step
+    (``self.budget``, ``stats()["granularity"]``: the mode, k, the lost-work bound and why).
     """
 
     def __init__(self, uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -112,6 +117,9 @@ class Checkpointer:
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
         self._feed: CommitFeed | None = None
         self._att = Attachment()
+        #: seconds of this attach's phases; the overhead budget's choice (None on a non-writing HSDP replica)
+        self.startup: dict = {}
+        self.budget: BudgetPolicy | None = None
         if self.shard_spec is not None and not self.shard_spec.writes:
             self._follow_replica(optimizer, run, start_step)   # HSDP: replica 0 of this shard writes it
             return
@@ -121,6 +129,11 @@ class Checkpointer:
             #: seconds of this attach's phases (runtime="ray": coordinator, replica, node_worker; first_full)
             self.startup = dict(getattr(self._sink, "startup", None) or {"sink": time.perf_counter() - t0})
             t1 = time.perf_counter()
+            # the overhead budget over the cost model's policy: LowDiff may leave steps unrecorded (a full every
+            # k steps); other strategies and sharded state are measured only
+            self.budget = policy = BudgetPolicy(policy, self.config.overhead_budget,
+                                                granular=impl.name == "lowdiff" and self.shard_spec is None,
+                                                max_k=self.config.max_full_every, on_change=self._budget_changed)
             fp_every = self.config.fingerprint_every if getattr(self._sink, "replica_enabled", False) else 0
             self._capture = self._att.hold_capture(impl.make_capture(
                 model, optimizer, self._sink, policy, start_step=start_step, scheduler=scheduler, scaler=scaler,
@@ -128,9 +141,12 @@ class Checkpointer:
             self._capture._copy.pool.max_bytes = self.config.max_pending_bytes
             if self.shard_spec is not None:
                 self._capture.sharding = _sharded.sharding_info(self.shard_spec)
+            self._capture.meter = _meter(self._sink, self._on_window)
             if self.runtime is Runtime.RAY:   # the sender publishes the capture's Ray metrics
                 self._sink.attach_capture(self._capture, start_step)
-            self._sink.submit(self._capture.snapshot_now())
+            full = self._capture.snapshot_now()
+            policy.hint_full(self._capture.last_snapshot_seconds or 0.0, full.nbytes)
+            self._sink.submit(full)
             if self.runtime is Runtime.RAY:   # held on two nodes (durable on a one-node cluster) when attach returns
                 self._sink.wait_safe()
             self.startup["first_full"] = time.perf_counter() - t1
@@ -171,6 +187,20 @@ class Checkpointer:
             keep_fulls=c.keep_fulls, lease=lease,
             on_commit=(lambda m: feed.observe(m, att.sink, att.capture)) if feed is not None else None))
         return feed.policy if feed is not None else FixedFrequencyPolicy(c.full_every, c.batch_steps)
+
+    def _on_window(self, w) -> None:
+        """Training thread, once a measurement window: the overhead budget decides; with runtime="local" the
+        cost model gets the window (with runtime="ray" the sender ships it to the coordinator)."""
+        self.budget.observe(w)
+        if self._feed is not None:
+            self._feed.observe_window(w)
+
+    def _budget_changed(self, report: dict) -> None:
+        """Training thread: the overhead budget changed the recovery granularity."""
+        log.info("ray_ckpt: overhead budget %.1f %%: recovery points %s (lost-work bound %d steps): %s",
+                 100 * report["overhead_budget"],
+                 "every step" if report["mode"] == "every_step" else f"every {report['k']} steps (fulls)",
+                 report["lost_work_steps"], report["reason"])
 
     def policy_report(self) -> dict | None:
         """What the adaptive policy decides and why (None with policy="fixed"). Any thread."""
@@ -238,7 +268,11 @@ class Checkpointer:
                "capture_seconds": self._capture.capture_seconds, "pending_bytes": self._sink.pending_bytes,
                "trainer_fulls": self._capture.full_snapshots,
                "full_every": self._capture.policy.full_every, "batch_steps": self._capture.policy.batch_steps,
-               "policy": self.policy_report(), "startup": dict(self.startup)}
+               "policy": self.policy_report(), "startup": dict(self.startup),
+               "granularity": self.budget.report() if self.budget is not None else None}
+        meter = getattr(self._capture, "meter", None)
+        if meter is not None and meter.last is not None:   # the training process's latest measured window
+            out["granularity"]["window"] = meter.last.to_dict()
         if hasattr(self._capture, "early_fulls"):   # Amber: why fulls were taken, and the merged increments
             out["amber"] = {"early_fulls": self._capture.early_fulls, "merges": self._capture.merges}
         runtime_stats = getattr(self._sink, "runtime_stats", None)
@@ -247,6 +281,12 @@ class Checkpointer:
             w = rt.get("worker", {})
             out.update(write_seconds=w.get("write_seconds", 0.0), durable_bytes=w.get("bytes_written", 0),
                        durable_objects=w.get("objects_written", 0), runtime=rt)
+            if "durable_diffs" in rt:
+                out["durable_diffs"] = rt["durable_diffs"]
+        if isinstance(out["policy"], dict):   # the decisions made in this process, next to the cost model's
+            out["policy"]["granularity"] = out["granularity"]
+            if "durable_diffs" in out:
+                out["policy"]["durable_diffs"] = out["durable_diffs"]
         return out
 
     def __enter__(self) -> "Checkpointer":
@@ -276,6 +316,22 @@ def _watch_drains(runtime: Runtime, sink):
     return watch_sink(sink, node=runtime is not Runtime.RAY)
 
 
+def _meter(sink, on_window) -> StepMeter:
+    """The training thread's per-step measurements for the overhead budget (CPU clocks read once a window)."""
+    st = sink.stats
+    return StepMeter(clock=time.perf_counter, cpu=lambda: (time.process_time(), time.thread_time(), _run_queue_wait()),
+                     counters=lambda: (st.stall_seconds, st.bytes_written), on_window=on_window)
+
+
+def _run_queue_wait() -> float:
+    """Seconds the calling thread has waited for a core (Linux schedstat; 0.0 elsewhere). Training thread."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: Runtime, impl,
                     shard_spec) -> tuple[CheckpointConfig, Amber | None]:
     """A Checkpointer's config in force (:meth:`CheckpointConfig.resolve`) and the Amber settings of
@@ -287,7 +343,7 @@ def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: R
     else:
         amber = None
     resolved = CheckpointConfig.resolve(config, **overrides)
-    if resolved.durable_diffs != "all" and runtime is not Runtime.RAY:
+    if resolved.durable_diffs not in ("all", "auto") and runtime is not Runtime.RAY:
         raise ValueError(f"durable_diffs={resolved.durable_diffs!r} needs runtime='ray' (a memory tier on "
                          f"two nodes); runtime={runtime.value!r} writes every step")
     durable_amber = _durable_amber(amber, resolved, impl, shard_spec)

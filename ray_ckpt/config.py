@@ -268,7 +268,11 @@ class CheckpointConfig:
     #: settings): as "fulls", and the replica writes Amber increments of its own state after every step to the
     #: durable tier (``tiers/amber/``, see :mod:`ray_ckpt.engine.amber_tier`), so that every step also restores
     #: from storage alone, within the Amber bound, when its exact records are not there.
-    durable_diffs: str = "all"
+    #: "auto" (default): "all" while the storage's measured write bandwidth carries every step's diff with room
+    #: to spare (at most :data:`ray_ckpt.policy.budget.DURABLE_SHARE` of it), else "fulls", chosen per chunk by
+    #: the run's coordinator from its measurements and stated in ``stats()["policy"]["durable_diffs"]``;
+    #: runtime="local" writes every step (no memory tier).
+    durable_diffs: str = "auto"
     #: "adaptive": full_every/batch_steps are chosen online from measured costs and recorded failures
     #: (:mod:`ray_ckpt.policy.adaptive`), starting from the values above; explicit full_every/batch_steps (argument
     #: or env) pin those values and the policy only reports what it would choose. "fixed": never change them.
@@ -283,6 +287,11 @@ class CheckpointConfig:
     max_full_every: int = 10_000
     #: values given explicitly (keyword, config or env): the adaptive policy does not change them. Set by resolve().
     pinned: frozenset = frozenset()
+    #: the share of the step time checkpointing may cost the training process (capture on the training thread,
+    #: the process's other CPU, stalls), measured online: while recording every step costs more, the policy
+    #: records a full every k steps instead (the lost-work bound becomes k steps; see docs/policy.md,
+    #: "Overhead budget"). 0: no budget, every step recorded
+    overhead_budget: float = 0.05
 
     def __post_init__(self):
         if self.policy not in ("adaptive", "fixed"):
@@ -313,11 +322,15 @@ class CheckpointConfig:
             raise ValueError(f"handoff_delay must be in [0, 60] seconds, got {self.handoff_delay}")
         if self.max_replica_lag < 1:
             raise ValueError(f"max_replica_lag must be >= 1 step, got {self.max_replica_lag}")
-        if self.durable_diffs not in ("all", "fulls", "amber"):
-            raise ValueError(f"durable_diffs must be 'all' (every step written), 'fulls' (diffs held in memory "
+        if self.durable_diffs not in ("auto", "all", "fulls", "amber"):
+            raise ValueError(f"durable_diffs must be 'auto' ('all' while the storage bandwidth allows, else "
+                             f"'fulls'), 'all' (every step written), 'fulls' (diffs held in memory "
                              f"on two nodes, fulls written) or 'amber' (as 'fulls', plus Amber increments "
                              f"computed by the state tier's replica; or pass an Amber(...)), got "
                              f"{self.durable_diffs!r}")
+        if not (isinstance(self.overhead_budget, (int, float)) and 0 <= self.overhead_budget < 10):
+            raise ValueError(f"overhead_budget must be a share of the step time in [0, 10) (0.05: 5 %; 0: no "
+                             f"budget), got {self.overhead_budget!r}")
         if self.fingerprint_every < 0:
             raise ValueError(f"fingerprint_every must be >= 0 (0 disables), got {self.fingerprint_every}")
 

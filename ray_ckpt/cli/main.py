@@ -99,6 +99,17 @@ def _durable_mode(ms: list) -> str:
     return "amber" if "amber" in modes else "fulls" if "fulls" in modes else "all"
 
 
+def _granularity(fulls: list) -> dict | None:
+    """What the overhead budget chose for a generation, from its fulls' manifests (``info["recovery_every"]``,
+    ``info["unrecorded_from"]``): None when every step was recorded."""
+    marked = [m for m in fulls if isinstance(m.info.get("unrecorded_from"), int)]
+    if not marked:
+        return None
+    last = max(marked, key=lambda m: m.last_step)
+    return {"k": last.info.get("recovery_every"), "since": min(m.info["unrecorded_from"] for m in marked) - 1,
+            "unrecorded": sum(max(0, m.last_step - m.info["unrecorded_from"]) for m in marked)}
+
+
 def cmd_ls(storage, args) -> int:
     lineage, bad = load_lineage(storage, strict=False)
     tier = amber_tier.tier_manifests(storage)
@@ -115,7 +126,7 @@ def cmd_ls(storage, args) -> int:
                      "recoverable": _ranges(steps), "strategy": sorted({m.strategy for m in ms}),
                      # durable_diffs="fulls": steps between fulls are not in storage by design (not a gap)
                      "gaps": "-" if lazy else _ranges(lineage.uncovered_steps(gen)),
-                     "durable_diffs": _durable_mode(ms)})
+                     "durable_diffs": _durable_mode(ms), "granularity": _granularity(fulls)})
         incs = [m for m in tier if m.generation == gen]
         if incs:
             rows[-1]["amber_tier"] = {"increments_objects": len(incs), "bytes": sum(m.nbytes for m in incs),
@@ -148,6 +159,10 @@ def cmd_ls(storage, args) -> int:
               f"{r['diff_objects']} diff objects; {_human(r['full_bytes'])} full + {_human(r['diff_bytes'])} "
               f"diffs; recoverable steps {r['recoverable']}"
               + (f"; GAP (lost steps) {r['gaps']}" if r["gaps"] != "-" else ""))
+        g = r["granularity"]
+        if g is not None:
+            print(f"    overhead budget: recovery points every {g['k']} steps (fulls) since step {g['since']}, "
+                  f"{g['unrecorded']} steps left unrecorded by choice, not lost (lost-work bound {g['k']} steps)")
         if r["durable_diffs"] in ("fulls", "amber"):
             print(f"    durable_diffs={r['durable_diffs']}: storage holds the fulls (and diffs written on flush, under "
                   "memory pressure or after a node loss); other steps restore exactly only from the memory tier "

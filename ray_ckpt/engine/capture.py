@@ -237,6 +237,17 @@ class CaptureBase:
         self.sharding: dict | None = None
         self._full_control = getattr(sink, "full_control", None)
         self.last_snapshot_seconds: float | None = None  # training-thread time of the latest full snapshot
+        #: the overhead budget's measurements (:class:`ray_ckpt.policy.budget.StepMeter`), set by the Checkpointer
+        self.meter = None
+        self._last_pre_t: float | None = None   # start of the previous pre-hook (wall time between steps)
+        self._hook_acc = 0.0                     # hook time since then (wall)
+        self._hook_cpu = 0.0                     # and the training thread's CPU in the hooks
+        self._pre_end_t = 0.0
+        self._opt_s = 0.0                        # the previous optimizer.step() itself (post start - pre end)
+        #: the latest step handed to the sink as a record or a full (steps after it and before the next full
+        #: the overhead budget left unrecorded are named in that full's manifest)
+        self.last_point = start_step
+        self._full_owed = False   # a full was due at a step captured without its loop state: take it at the next
         self._handles = [optimizer.register_step_pre_hook(self._pre_hook),
                          optimizer.register_step_post_hook(self._post_hook)]
         self._updates_since_step = 0
@@ -284,33 +295,55 @@ class CaptureBase:
     # -- hooks ---------------------------------------------------------------------------------------------
     def _pre_hook(self, optimizer, args, kwargs):
         t0 = time.perf_counter()
+        meter = self.meter
+        if meter is not None:   # the step that ended here: its wall time, hook time and optimizer time
+            c0 = time.thread_time()
+            if self._last_pre_t is not None:
+                meter.tick(t0 - self._last_pre_t, self._hook_acc, self._opt_s, self._hook_cpu)
+            self._last_pre_t, self._hook_acc, self._hook_cpu = t0, 0.0, 0.0
         with self._lock:
             self._finalize()
+            if meter is not None:
+                meter.recording = getattr(self.policy, "recording", True)
             self._before_step(optimizer)
-        self._pre_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if meter is not None:
+            self._hook_cpu += time.thread_time() - c0
+        self._pre_end_t = t1
+        self._pre_seconds = t1 - t0
+        self._hook_acc += self._pre_seconds
         self.capture_seconds += self._pre_seconds
 
     def _post_hook(self, optimizer, args, kwargs):
         t0 = time.perf_counter()
+        self._opt_s = t0 - self._pre_end_t
+        c0 = time.thread_time() if self.meter is not None else 0.0
         with self._lock:
             step = self.step + 1
             loop = {}
-            if self.capture_rng:
+            # an unrecorded step that will not be a full (the overhead budget's every-k mode) needs no loop state
+            needs = getattr(self.policy, "needs_state", None)
+            light = not self._full_owed and needs is not None and not needs(step, self.last_full_step)
+            if self.capture_rng and not light:
                 loop["rng"] = rng_state()
-            if self.extra_state is not None:
+            if self.extra_state is not None and not light:
                 loop["extra"] = self._copy.tree(self.extra_state.state_dict())
-            if self.fingerprint_every and step % self.fingerprint_every == 0:
+            if self.fingerprint_every and step % self.fingerprint_every == 0 and not light:
                 loop[FINGERPRINT_KEY] = self._copy(fingerprint(self.params), fresh=True)
             buffers = {}
-            if self.capture_buffers:
+            if self.capture_buffers and not light:
                 buffers = {n: self._copy(b) for n, b in self._buffers}
             self._pending = self._make_record(step, loop, buffers)
+            self._pending.light = light
             self._updates_since_step = 0
             self.step = step
             if self.scheduler is None and self.scaler is None:
                 self._finalize()
         dt = time.perf_counter() - t0
         self.capture_seconds += dt
+        self._hook_acc += dt
+        if self.meter is not None:
+            self._hook_cpu += time.thread_time() - c0
         self.step_seconds.append(self._pre_seconds + dt)
 
     # -- finalization -----------------------------------------------------------------------------------------
@@ -334,25 +367,40 @@ class CaptureBase:
             decision = self.policy.decide(StepContext(step=rec.step, last_full_step=self.last_full_step,
                                                       steps_in_batch=self.steps_in_batch))
             decision = self._amend_decision(rec, decision)
+            # a record without its gradients (the overhead budget skipped them) is never handed over
+            record = decision.record and not getattr(rec, "unrecorded", False)
+            if decision.full and getattr(rec, "light", False):   # no loop state to make a full of: the next step
+                self._full_owed = True
+                decision = StepDecision(full=False, close_batch=decision.close_batch, record=decision.record)
+            elif self._full_owed:
+                self._full_owed = False
+                decision = StepDecision(full=True, close_batch=True, record=decision.record)
+            gap_from = self.last_point + 1     # the first step after the latest recovery point
             if self._full_control is not None:
                 delegated, wanted = self._full_control()
                 if wanted:
-                    decision = StepDecision(full=True, close_batch=True)
-                elif decision.full and delegated:   # the state tier takes this full: only the clock moves
+                    decision = StepDecision(full=True, close_batch=True, record=record)
+                elif decision.full and delegated and record:   # the state tier takes this full: the clock moves
                     self.last_full_step = rec.step
                     rec.full_delegated = True          # the replica writes it (exactly one writer per full)
                     decision = StepDecision(full=False, close_batch=decision.close_batch)
             full = None
             if decision.full:
                 full = self._snapshot(rec.step, dict(rec.loop), rec)
+                if gap_from < rec.step:   # steps left unrecorded before this full (and this step's record)
+                    full.manifest_info = {"unrecorded_from": gap_from,
+                                          "recovery_every": int(getattr(self.policy, "k", 1))}
             rec.ready = self._copy.event()
-            self.sink.submit(rec, close_batch=decision.close_batch)
-            if decision.close_batch:
+            if record:
+                self.sink.submit(rec, close_batch=decision.close_batch)
+                self.last_point = rec.step
+            if decision.close_batch or not record:
                 self.steps_in_batch = 0
             self._after_submit(rec, decision, full)
             if full is not None:
                 full.ready = self._copy.event() or rec.ready
                 self.last_full_step = rec.step
+                self.last_point = rec.step
                 self.sink.submit(full)
 
     def _snapshot(self, step: int, loop: dict, rec: Any = None) -> FullState:
@@ -367,6 +415,8 @@ class CaptureBase:
         self._copy.keep_full(taken)
         self.full_snapshots += 1
         self.last_snapshot_seconds = time.perf_counter() - t0  # read by the adaptive policy's cost model
+        if self.meter is not None:
+            self.meter.full(self.last_snapshot_seconds)
         return FullState(step=step, model=model_sd, optimizer=opt_sd, loop=loop, layout=self.layout(),
                          pooled=(self._copy.full_pool, taken) if taken else None)
 
@@ -406,8 +456,18 @@ class CaptureBase:
             return full
 
     def flush_pending(self) -> None:
-        """Finalize a pending record now (flush/close). Training thread."""
+        """Finalize a pending record now (flush/close); when the overhead budget left the latest steps
+        unrecorded, take a full of the current state, so that a flush makes the latest step recoverable too.
+        Training thread."""
         self._finalize()
+        with self._lock:
+            if self.last_point < self.step and not getattr(self.policy, "recording", True):
+                full = self._snapshot(self.step, self._attach_loop())
+                full.manifest_info = {"unrecorded_from": self.last_point + 1,
+                                      "recovery_every": int(getattr(self.policy, "k", 1))}
+                full.ready = self._copy.event()
+                self.last_full_step = self.last_point = self.step
+                self.sink.submit(full)
 
     def detach(self) -> None:
         for h in self._handles:

@@ -31,6 +31,11 @@ class LowDiffCapture(CaptureBase):
         super().__init__(*args, **kwargs)
 
     def _before_step(self, optimizer) -> None:
+        if not getattr(self.policy, "recording", True):   # the overhead budget leaves this step unrecorded
+            self._consumed = None
+            self._unrecorded = True
+            return
+        self._unrecorded = False
         grads: list[GradEntry | None] = []
         for p in self.params:
             g = p.grad
@@ -53,6 +58,10 @@ class LowDiffCapture(CaptureBase):
         self._consumed = (grads, group_values(optimizer, self._copy.tree))
 
     def _make_record(self, step: int, loop: dict, buffers: dict) -> StepRecord:
+        if getattr(self, "_unrecorded", False):   # only a full of this step may be taken: loop state, no gradients
+            rec = StepRecord(step=step, grads=[], hparams=[], loop=loop, buffers=buffers)
+            rec.unrecorded = True
+            return rec
         if self._consumed is None:  # step() called without our pre-hook (should not happen)
             raise RuntimeError("ray_ckpt: optimizer post-step hook ran without its pre-step hook")
         grads, hparams = self._consumed

@@ -323,7 +323,9 @@ class AsyncWriter(BoundedSink):
         t0 = time.perf_counter()
         bufs = rec_fmt.encode_full(state)
         self.stats.encode_seconds += time.perf_counter() - t0
-        self._commit("full", full_name(self.generation, state.step), state.step, state.step, bufs)
+        # manifest_info: steps the overhead budget left unrecorded before this full (not a gap)
+        self._commit("full", full_name(self.generation, state.step), state.step, state.step, bufs,
+                     getattr(state, "manifest_info", None))
 
     def _commit(self, kind: str, name: str, first: int, last: int, bufs: list, info: dict | None = None) -> None:
         try:   # one container (every LowDiff object): from the data checksum its encoder computed, no pass

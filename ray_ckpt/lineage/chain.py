@@ -190,7 +190,9 @@ class Lineage:
         start = self.start_of(gen)
         if start is None:
             return []
-        covered = _merge([(m.first_step, m.last_step) for m in ms], None)
+        # a full may name steps before it that were left unrecorded by choice (the overhead budget's
+        # granularity: ``info["unrecorded_from"]``): not lost, never written
+        covered = _merge([(_unrecorded_from(m), m.last_step) for m in ms], None)
         top = covered[-1][1]
         out: list[int] = []     # the full at `start` is covered: only holes between ranges, from there on
         for (_, prev_hi), (lo, _) in zip(covered, covered[1:]):
@@ -309,3 +311,10 @@ def collectable(lineage: Lineage, m: Manifest, cutoff: Manifest | None) -> bool:
     if cap is not None and m.first_step > cap:
         return True
     return cutoff is not None and m.last_step < cutoff.last_step and m.generation <= cutoff.generation
+
+
+def _unrecorded_from(m) -> int:
+    """The first step ``m`` accounts for: its first step, or for a full the first of the steps before it that
+    were left unrecorded by choice (``info["unrecorded_from"]``)."""
+    u = m.info.get("unrecorded_from") if m.kind == "full" else None
+    return u if isinstance(u, int) and 0 <= u <= m.first_step else m.first_step

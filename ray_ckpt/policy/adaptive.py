@@ -303,6 +303,14 @@ class PolicyTuner:
         self.model.observe_failure(at)
         self._dirty = True
 
+    def observe_trainer(self, **window) -> None:
+        """A window measured in the training process (see :meth:`CostModel.observe_trainer`); the first one
+        makes a choice made from the defaults due at once (its step time was a placeholder)."""
+        first = self.model.step.n == 0
+        self.model.observe_trainer(**window)
+        if first and self.choice is not None and self.model.step.n > 0:
+            self._dirty = True
+
     def observe_restore(self, **kw) -> None:
         self.model.observe_restore(**kw)
         self._dirty = True
@@ -398,7 +406,8 @@ class CommitFeed:
     at attach, in the training thread."""
 
     def __init__(self, storage, full_every: int, batch_steps: int, *, pinned=frozenset(), **options):
-        self.policy = AdaptivePolicy(full_every, batch_steps, pinned=pinned, clock=time.perf_counter)
+        # the step time comes from the training thread's measurement windows (:meth:`observe_window`)
+        self.policy = AdaptivePolicy(full_every, batch_steps, pinned=pinned)
         self.tuner = make_tuner(full_every, batch_steps, pinned=pinned, started_at=time.time(), policy=self.policy,
                                 **options)
         self.storage = storage
@@ -420,6 +429,11 @@ class CommitFeed:
         self.tuner.decide(now)
         if len(self.tuner.history) != before:
             publish_report(self.storage, self.tuner.report(now))
+
+    def observe_window(self, w) -> None:
+        """Training thread: a measured window of steps (:class:`ray_ckpt.policy.budget.Window`) for the cost
+        model: step time, capture, the optimizer step (replay) and the process's other CPU per step."""
+        self.tuner.observe_trainer(**w.to_dict())
 
     def report(self) -> dict:
         """:meth:`PolicyTuner.report` now. Any thread."""

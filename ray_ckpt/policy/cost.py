@@ -55,6 +55,23 @@ class RunningEstimate:
         self._mean += a * d
         self._var = (1 - a) * (self._var + a * d * d)
 
+    def add_mean(self, x: float, count: int) -> None:
+        """``count`` samples whose mean is ``x`` (a window of steps measured together), as ``count`` calls of
+        :meth:`add` with ``x`` would weigh them."""
+        x, count = float(x), int(count)
+        if count < 1:
+            return
+        if not math.isfinite(x):
+            raise ValueError(f"observation must be finite, got {x}")
+        if self.n == 0:
+            self.n, self._mean, self._var = count, x, 0.0
+            return
+        a = max(1.0 - (1.0 - self.alpha) ** count, count / (self.n + count))
+        d = x - self._mean
+        self._mean += a * d
+        self._var = (1 - a) * (self._var + a * d * d)
+        self.n += count
+
     @property
     def mean(self) -> float:
         return self._mean
@@ -169,6 +186,11 @@ class CostModel:
     replay: RunningEstimate = field(default_factory=lambda: RunningEstimate(-1.0))   # -1: unknown (= a step)
     load: RunningEstimate = field(default_factory=lambda: RunningEstimate(-1.0))     # -1: unknown (from bw)
     restart: RunningEstimate = field(default_factory=lambda: RunningEstimate(-1.0))  # -1: unknown (default)
+    #: optimizer.step() alone, measured on the training thread: what replaying one step costs until a restore
+    #: measures the replay itself
+    optimizer_step: RunningEstimate = field(default_factory=lambda: RunningEstimate(-1.0, alpha=0.02))
+    #: CPU per step of the training process outside its training thread (writer / sender thread, Ray's threads)
+    other_cpu: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0, alpha=0.02))
     writes: dict = field(default_factory=dict)       #: backend name -> BandwidthFit
     memory: dict = field(default_factory=dict)       #: tier name -> bytes last reported
     failures: list = field(default_factory=list)     #: failure times (the latest 1000)
@@ -192,6 +214,19 @@ class CostModel:
         """Wall time of one training step (training thread; O(1))."""
         if seconds > 0:
             self.step.add(seconds)
+
+    def observe_trainer(self, *, steps: int, step_s: float, capture_s: float, optimizer_s: float,
+                        other_cpu_s: float, wall_s: float = 0.0, **_ignored) -> None:
+        """A window of ``steps`` training steps measured in the training process (per-step means, seconds: wall
+        time ``wall_s`` with pauses, else ``step_s``; capture hooks, ``optimizer.step()`` alone, the process's CPU outside the training thread): from
+        :class:`ray_ckpt.policy.budget.StepMeter`. Any thread that owns the model."""
+        if steps < 1 or not step_s > 0:
+            return
+        self.step.add_mean(wall_s if wall_s > 0 else step_s, steps)   # pauses amortized (see the field)
+        self.diff_block.add_mean(capture_s, steps)
+        if optimizer_s > 0:
+            self.optimizer_step.add_mean(optimizer_s, steps)
+        self.other_cpu.add_mean(other_cpu_s, steps)
 
     def observe_commit(self, *, kind: str, nbytes: int, write_s: float, steps: int = 1,
                        encode_s: float = 0.0, block_s: float | None = None, backend: str | None = None) -> None:
@@ -268,7 +303,8 @@ class CostModel:
             step_s=step, full_block_s=self.full_block.mean, full_persist_s=self.full_persist.mean,
             diff_block_s=self.diff_block.mean, diff_bytes=self.diff_bytes.mean, full_bytes=full_bytes,
             write_latency_s=lat, write_bw=bw,
-            replay_s=self.replay.mean if self.replay.n else step,
+            replay_s=self.replay.mean if self.replay.n else (self.optimizer_step.mean if self.optimizer_step.n
+                                                             else step),
             load_s=self.load.mean if self.load.n else lat + full_bytes / bw,
             restart_s=self.restart.mean if self.restart.n else self.restart_s,
             mtbf_s=mtbf, background_cost=self.background_cost, mtbf_failures=weight)
@@ -276,7 +312,18 @@ class CostModel:
     def uncertainty(self, now: float) -> dict:
         """``{estimate: {mean, std, n}}`` for reports."""
         out = {k: getattr(self, k).summary() for k in ("step", "full_block", "full_persist", "diff_block",
-                                                         "diff_bytes", "full_bytes", "replay", "load", "restart")}
+                                                         "diff_bytes", "full_bytes", "replay", "load", "restart",
+                                                         "optimizer_step", "other_cpu")}
+        c = self.inputs(now)   # what the model uses where nothing was measured directly yet, and from what
+        if not self.replay.n:
+            out["replay"] = {"mean": c.replay_s, "std": 0.0, "n": 0,
+                             "source": "optimizer.step() measured on the training thread" if self.optimizer_step.n
+                             else "assumed a training step (nothing measured yet)"}
+        if not self.load.n:
+            out["load"] = {"mean": c.load_s, "std": 0.0, "n": 0,
+                           "source": "full bytes / measured write bandwidth (no restore measured yet)"}
+        if not self.restart.n:
+            out["restart"] = {"mean": c.restart_s, "std": 0.0, "n": 0, "source": "restart_s default"}
         mtbf, weight = self.mtbf(now)
         out["mtbf"] = {"mean": mtbf, "std": mtbf / math.sqrt(weight), "n": len(self.failures)}
         for name, fit in self.writes.items():

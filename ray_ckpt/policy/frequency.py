@@ -20,6 +20,9 @@ class StepContext:
 class StepDecision:
     full: bool                #: take a full checkpoint at this step
     close_batch: bool         #: write the current diff batch now
+    #: hand this step's record to the sink (False: the overhead budget leaves the step unrecorded; only a full
+    #: of it is a recovery point)
+    record: bool = True
 
 
 class FrequencyPolicy(Protocol):

@@ -514,9 +514,17 @@ class Coordinator:
         head = self._lineage(max_age=max_age).head()
         return head is None or head - r.step <= self.max_replica_lag
 
-    def control(self, generation: int) -> dict:
+    def control(self, generation: int, trainer: dict | None = None) -> dict:
         """For the training process's sender (polled about once a second): ``want_full`` — take a full at the
-        next step (consumed); ``delegate`` — the replica materializes the policy's fulls."""
+        next step (consumed); ``delegate`` — the replica materializes the policy's fulls. ``trainer``: the
+        training thread's latest measured window (step time, capture, optimizer step, other CPU per step), fed
+        to the adaptive policy's cost model."""
+        if trainer:
+            try:
+                self.tuner.observe_trainer(**trainer)
+                self._decide()
+            except (TypeError, ValueError) as e:   # a malformed report must not fail the control call
+                log.debug("ray_ckpt coordinator: trainer report ignored: %s", e)
         want = generation in self._want_full
         self._want_full.discard(generation)
         gaps = [g for g in self.gaps if g["generation"] == generation and not g.get("told")]

@@ -45,6 +45,7 @@ from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
+from ray_ckpt.policy.budget import choose_durable
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import naming
@@ -61,6 +62,7 @@ _CONTROL_S = 0.5        # how often the sender asks the coordinator for full-che
 #: its queue and stalled the training thread)
 _MAX_INFLIGHT = 2
 _REAP_S = 0.05          # how soon an idle sender collects the answers of hand-offs in flight
+_BANDWIDTH_S = 2.0      # how often the sender reads the node worker's write figures (durable_diffs="auto")
 
 
 #: encoded buffers smaller than this are laid end to end into one array before the hand-off: Ray pickles each
@@ -114,8 +116,17 @@ class RaySink(BoundedSink):
         self.memory_budget = config.memory_budget
         self.replica_enabled = replica
         self.info = dict(info or {})
-        if config.durable_diffs != "all":   # the workers hold these diffs in memory (see CheckpointConfig)
+        if config.durable_diffs not in ("all", "auto"):   # the workers hold these diffs in memory
             self.info["durable_diffs"] = config.durable_diffs
+        #: durable_diffs="auto": the mode chosen per chunk from the measured write bandwidth ("all" or "fulls")
+        self.auto_durable = config.durable_diffs == "auto"
+        self.durable_choice = "all" if config.durable_diffs == "auto" else config.durable_diffs
+        self.durable_reason = "write bandwidth not measured yet" if self.auto_durable else "set by the user"
+        self.write_bw: float | None = None   # the node worker's measured storage write bandwidth, bytes/s
+        self._bw_ref = None
+        self._bw_t = 0.0
+        self._bw_prev: tuple | None = None   # (time, worker bytes, worker write seconds, diff bytes handed over)
+        self._trainer_sent = 0               # meter windows already reported to the coordinator
         self.submit_retries = submit_retries
         self.node_id = ray.get_runtime_context().get_node_id()
         self.write_timeout = config.write_timeout
@@ -173,7 +184,9 @@ class RaySink(BoundedSink):
         out = {"actor_calls": self.actor_calls, "chunks_sent": self.chunks_sent,
                "resent_chunks": self.resent_chunks, "unsafe_chunks": len(self._unsafe),
                "handoff_seconds": self.handoff_seconds, "sender_cpu_seconds": self.sender_cpu_seconds,
-               "delegated_fulls": bool(self.replica_enabled and self._control["delegate"])}
+               "delegated_fulls": bool(self.replica_enabled and self._control["delegate"]),
+               "durable_diffs": {"mode": self.durable_choice, "auto": self.auto_durable,
+                                 "write_bandwidth": self.write_bw, "reason": self.durable_reason}}
         try:
             out["worker"] = ray.get(self.worker.stats.remote(), timeout=timeout)
         except Exception as e:  # noqa: BLE001
@@ -196,6 +209,7 @@ class RaySink(BoundedSink):
         chunk_t0 = 0.0
         last_arrival, gap_ewma = None, None   # step records' inter-arrival time (smoothed)
         cpu0 = time.thread_time()
+        hk_t = 0.0   # the last housekeeping (Ray calls: reap answers, poll, control, metrics)
         while True:
             entry = None
             with self._cv:
@@ -252,10 +266,15 @@ class RaySink(BoundedSink):
                                 or self._notice is not None:   # a drain notice: nothing waits to be batched
                             self._handoff(chunk)
                             chunk = []
+                        elif time.monotonic() - hk_t < _REAP_S:
+                            # a record only collected: no Ray call per step (ray.wait on the hand-offs in flight
+                            # holds the interpreter lock the training thread needs); at least every _REAP_S
+                            continue
                 elif chunk and time.monotonic() >= chunk_t0 + self.handoff_delay:
                     self._handoff(chunk)
                     chunk = []
                 self._housekeeping()
+                hk_t = time.monotonic()
                 self.sender_cpu_seconds = time.thread_time() - cpu0
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self._fail(e, entry[0] if entry is not None else None)
@@ -286,7 +305,7 @@ class RaySink(BoundedSink):
         t0 = time.perf_counter()
         if full:
             state = items[0][0]
-            bufs, info = rec_fmt.encode_full(state), {}
+            bufs, info = rec_fmt.encode_full(state), dict(getattr(state, "manifest_info", None) or {})
             kind, first, last = "full", state.step, state.step
             name = full_name(self.generation, state.step)
         else:
@@ -299,6 +318,8 @@ class RaySink(BoundedSink):
             kind, last = "diff", recs[-1].step
             first = info.pop("first_step", recs[0].step)
             name = diff_name(self.generation, first, last)
+            if self.auto_durable and self.durable_choice == "fulls":   # the bandwidth does not carry every diff
+                info["durable_diffs"] = "fulls"
         crc, n, alg = segments.object_crc(bufs)
         m = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
                      object=object_key(name), nbytes=n, crc32=crc, crc_alg=alg, strategy=self.impl.name,
@@ -437,9 +458,56 @@ class RaySink(BoundedSink):
         if self._control_ref is None and now - self._control_t >= _CONTROL_S:
             self._control_t = now
             try:
-                self._control_ref = self._coordinator.control.remote(self.generation)
+                self._control_ref = self._coordinator.control.remote(self.generation, self._trainer_report())
             except Exception:  # noqa: BLE001
                 self._control_ref = None
+        if self.auto_durable:
+            self._bandwidth(now)
+
+    def _trainer_report(self) -> dict | None:
+        """The training thread's latest measured window (:class:`ray_ckpt.policy.budget.Window`) for the
+        coordinator's cost model, once per window; None when nothing new was measured. Sender thread."""
+        meter = getattr(self.capture, "meter", None)
+        if meter is None or meter.last is None or meter.windows == self._trainer_sent:
+            return None
+        self._trainer_sent = meter.windows
+        return meter.last.to_dict()
+
+    def _bandwidth(self, now: float) -> None:
+        """durable_diffs="auto": read the node worker's write figures about every ``_BANDWIDTH_S`` (one
+        asynchronous call), derive its write bandwidth and choose the mode of the next diff chunks. Sender
+        thread."""
+        if self._bw_ref is not None:
+            ready, _ = ray.wait([self._bw_ref], timeout=0)
+            if not ready:
+                return
+            ref, self._bw_ref = self._bw_ref, None
+            try:
+                w = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - a restarting worker: ask again later
+                log.debug("ray_ckpt: worker stats unavailable: %s", e)
+                return
+            cur = (now, w.get("bytes_written", 0), w.get("write_seconds", 0.0), self.stats.diff_bytes)
+            prev, self._bw_prev = self._bw_prev, cur
+            if prev is None or cur[0] <= prev[0]:
+                return
+            dbytes, dsec = cur[1] - prev[1], cur[2] - prev[2]
+            if dbytes >= 1 << 20 and dsec > 0.01:
+                bw = dbytes / dsec
+                self.write_bw = bw if self.write_bw is None else 0.5 * self.write_bw + 0.5 * bw
+            rate = (cur[3] - prev[3]) / (cur[0] - prev[0])
+            choice, self.durable_reason = choose_durable(self.durable_choice, diff_rate=rate,
+                                                         write_bw=self.write_bw)
+            if choice != self.durable_choice:
+                log.info("ray_ckpt: durable_diffs=auto -> %s for run %r: %s", choice, self.run,
+                         self.durable_reason)
+                self.durable_choice = choice
+        elif now - self._bw_t >= _BANDWIDTH_S:
+            self._bw_t = now
+            try:
+                self._bw_ref = self.worker.stats.remote()
+            except Exception:  # noqa: BLE001
+                self._bw_ref = None
 
     def _drain_control(self, draining: dict) -> None:
         """Sender thread: the coordinator's view of the draining nodes; a drain of this node becomes the sink's

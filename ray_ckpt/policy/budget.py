@@ -1,0 +1,352 @@
+"""The overhead budget: measure what checkpointing costs the training process per step, and choose the recovery
+granularity that keeps that cost within a share of the step time.
+
+Pure (no torch, no Ray); the clocks are passed in. Where things run:
+
+* :class:`StepMeter` on the training thread: :meth:`StepMeter.tick` once per optimizer step (a few float
+  additions); every ``window_s`` seconds it reads the process's and the training thread's CPU clocks once and
+  closes a *window* (:class:`Window`): mean step wall time, the capture hooks' time, the optimizer step's own
+  time (what a LowDiff replay of one step costs), stalls, and the CPU the rest of the process spent per step
+  (``process_time - thread_time``: the writer / sender thread, Ray's threads in this process).
+* :class:`BudgetPolicy`, a :class:`~ray_ckpt.policy.frequency.FrequencyPolicy` wrapping the cost-model policy:
+  ``decide`` on the training thread (O(1)), :meth:`BudgetPolicy.observe` at each window close (O(1)).
+
+The cost of a window is ``capture + other CPU`` per step (stalls are inside the capture: the hooks wait in
+``submit``); the step without checkpointing is ``step - capture``. The fraction is ``cost / (step - capture)``.
+Counting all of the process's other CPU is conservative: on a machine with spare cores part of it runs
+beside the training thread for free; on a loaded one (or under the interpreter lock) it does not.
+
+Granularity (:attr:`BudgetPolicy.mode`):
+
+* ``every_step`` — LowDiff: a record per step (the consumed gradient), the cost-model policy's fulls; the
+  lost-work bound is one step;
+* ``every_k`` — the measured per-step cost breaks the budget: no per-step records; a full checkpoint every
+  ``k`` steps, taken by the trainer (the smallest ``k`` whose measured cost per step fits); every full is an
+  exact recovery point, the steps between them are not recoverable (lost-work bound ``k`` steps);
+* ``fulls_only`` — as ``every_k`` where ``k`` reaches the full interval the cost model chose for failures
+  (nothing finer than its fulls fits the budget).
+
+A switch to ``every_step`` takes a full at once (the records start from it); a switch away closes the diff
+batch. ``k`` follows the measured cost of a full (its snapshot on the training thread, and the process's other
+CPU while fulls are handed over) with a hysteresis of 1.25x.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ray_ckpt.policy.frequency import StepContext, StepDecision
+
+#: a step that took longer than this many times the previous window's mean step is a pause: its excess is not
+#: step time (evaluation, a checkpoint of something else between steps)
+PAUSE_FACTOR = 10.0
+#: a choice of k within this factor of the one in force is not adopted
+K_HYSTERESIS = 1.25
+#: every_step is chosen again when its last measured cost is below this share of the budget
+RETURN_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class Window:
+    """Per-step means over one measurement window (seconds, bytes)."""
+
+    steps: int
+    step_s: float          #: wall time between consecutive optimizer steps
+    capture_s: float       #: the capture hooks on the training thread, wall time (stalls and full snapshots included)
+    optimizer_s: float     #: the optimizer step itself (what replaying one step costs)
+    stall_s: float         #: of capture_s, waiting for room in the sink (backpressure)
+    other_cpu_s: float     #: CPU of the rest of the process (process_time - the training thread's thread_time)
+    fulls: int             #: full snapshots taken on the training thread in the window
+    snapshot_s: float      #: their total time (inside capture_s)
+    bytes: float           #: bytes handed to the sink per step
+    recorded: bool         #: whether the window's steps were recorded (LowDiff records)
+    #: the training thread's CPU in the capture hooks (without the time it was preempted or waited)
+    capture_cpu_s: float = 0.0
+    #: wall time per step with the pauses and waits for a core included (the cost model's step: pauses amortized)
+    wall_s: float = 0.0
+
+    @property
+    def cost_s(self) -> float:
+        """Checkpointing's cost to the training process per step: the hooks' CPU, the stalls, the other CPU."""
+        return min(self.capture_s, self.capture_cpu_s + self.stall_s) + self.other_cpu_s
+
+    @property
+    def base_s(self) -> float:
+        """The step without checkpointing (at least 1 µs)."""
+        return max(1e-6, self.step_s - self.capture_s)
+
+    @property
+    def overhead(self) -> float:
+        return self.cost_s / self.base_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "cost_s": self.cost_s, "base_s": self.base_s, "overhead": self.overhead}
+
+
+class StepMeter:
+    """Measures the training process's per-step figures (training thread; see the module docstring).
+
+    ``clock``: wall seconds (perf_counter); ``cpu``: ``() -> (process_cpu, this_thread_cpu[, this_thread_waited])``
+    (the last: seconds this thread waited for a core, where the system tells; it is not counted as step time); ``counters``:
+    ``() -> (stall_seconds, bytes_handed_over)`` of the sink (cumulative). ``on_window`` gets each
+    :class:`Window` (training thread)."""
+
+    def __init__(self, *, clock, cpu, counters=None, window_s: float = 1.0, min_steps: int = 8, on_window=None):
+        self.clock, self.cpu, self.counters = clock, cpu, counters
+        self.window_s, self.min_steps = window_s, min_steps
+        self.on_window = on_window
+        self.last: Window | None = None        #: the latest window closed
+        self.windows = 0
+        self.pauses = 0                        #: steps whose wall time counted as a pause (see PAUSE_FACTOR)
+        self.recording = True                  #: set by the capture: whether the current steps are recorded
+        self._reset(first=True)
+
+    def _reset(self, first: bool = False) -> None:
+        self._n = 0
+        self._wall = self._hook = self._opt = self._snap = self._hook_cpu = self._paused = 0.0
+        self._fulls = 0
+        self._mixed = False
+        self._t0 = None if first else self._t0
+        self._cpu0 = self.cpu()
+        self._ctr0 = self.counters() if self.counters is not None else (0.0, 0.0)
+
+    def full(self, seconds: float) -> None:
+        """A full snapshot took ``seconds`` on the training thread (inside the hooks)."""
+        self._fulls += 1
+        self._snap += seconds
+
+    def tick(self, wall_s: float, hook_s: float, optimizer_s: float, hook_cpu_s: float | None = None
+             ) -> Window | None:
+        """One optimizer step: ``wall_s`` since the previous step, ``hook_s`` in the capture hooks (``hook_cpu_s``
+        of the training thread's CPU; None: as ``hook_s``), ``optimizer_s`` in ``optimizer.step()`` itself.
+        Returns the window it closed, if any."""
+        self._n += 1
+        typical = self.last.step_s if self.last is not None else None
+        if typical is not None and wall_s > PAUSE_FACTOR * typical:
+            # a pause between steps (evaluation, a checkpoint of something else, another model's steps): not step
+            # time; the step itself is taken as typical
+            self._paused += wall_s - typical
+            self.pauses += 1
+        self._wall += wall_s
+        self._hook += hook_s
+        self._hook_cpu += hook_s if hook_cpu_s is None else hook_cpu_s
+        self._opt += optimizer_s
+        if self._n < self.min_steps or self._wall - self._paused < self.window_s:
+            return None
+        c1 = self.cpu()
+        p1, t1 = c1[0], c1[1]
+        p0, t0 = self._cpu0[0], self._cpu0[1]
+        # the training thread's time waiting for a core (preempted: an oversubscribed machine), when the clock
+        # gives it: not step time either, or the budget would be measured against a step the machine slowed
+        waited = max(0.0, c1[2] - self._cpu0[2]) if len(c1) > 2 and len(self._cpu0) > 2 else 0.0
+        waited = min(waited, 0.9 * max(0.0, self._wall - self._paused - self._hook))
+        stall1, bytes1 = self.counters() if self.counters is not None else (0.0, 0.0)
+        stall0, bytes0 = self._ctr0
+        n = self._n
+        w = Window(steps=n, step_s=(self._wall - self._paused - waited) / n, capture_s=self._hook / n, optimizer_s=self._opt / n,
+                   stall_s=max(0.0, stall1 - stall0) / n,
+                   other_cpu_s=max(0.0, (p1 - p0) - (t1 - t0)) / n, fulls=self._fulls, snapshot_s=self._snap,
+                   bytes=max(0.0, bytes1 - bytes0) / n, recorded=self.recording, capture_cpu_s=self._hook_cpu / n,
+                   wall_s=self._wall / n)
+        self.last = w
+        self.windows += 1
+        self._reset()
+        if self.on_window is not None:
+            self.on_window(w)
+        return w
+
+
+class BudgetPolicy:
+    """The overhead budget over a frequency policy (``inner``: the cost model's fulls and batches).
+
+    ``decide`` on the training thread, O(1); :meth:`observe` (a closed :class:`Window`) on the training thread
+    at most once a window. ``budget``: the share of the step time checkpointing may cost (0 turns the budget
+    off: every step is recorded). ``granular``: whether the capture can leave steps unrecorded (LowDiff);
+    other strategies are only measured. ``max_k``: the longest interval between recovery points.
+    ``on_change(report)``: called when the granularity changes (training thread)."""
+
+    def __init__(self, inner, budget: float, *, granular: bool = True, max_k: int = 10_000, warmup: int = 1,
+                 on_change=None):
+        if not 0 <= budget < 10:
+            raise ValueError(f"overhead_budget must be in [0, 10), got {budget}")
+        self.inner, self.budget, self.granular, self.max_k = inner, budget, granular, max_k
+        self.warmup = warmup
+        self.on_change = on_change
+        self.mode = "every_step"
+        self.k = 1
+        self.recording = True            #: whether the capture copies the next step's gradients
+        self._switch_to: str | None = None
+        self.step_cost: float | None = None   #: cost per step of recording every step (seconds, latest measured)
+        self.full_cost: float | None = None   #: cost of one trainer full (seconds of training-process time)
+        self.base_s: float | None = None
+        self.overhead: float | None = None    #: the latest window's measured fraction
+        self.reason = "measuring (every step recorded until a window of steps is measured)"
+        self.changes: list = []
+        self._seen = 0
+        self._snapshot_hint: float | None = None
+        self._bytes_hint: float | None = None
+        self._bytes_per_step: float | None = None
+        self._k_cost, self._k_fulls = 0.0, 0
+        #: cost per step of an unrecorded step (its loop state, for the full it may become), seconds
+        self.fixed_cost: float | None = None
+
+    # the cost model's values, for stats() and the capture
+    @property
+    def full_every(self) -> int:
+        return self.k if self.mode != "every_step" else self.inner.full_every
+
+    @property
+    def batch_steps(self) -> int:
+        return self.inner.batch_steps
+
+    @property
+    def lost_work_steps(self) -> int:
+        return max(1, self.k)
+
+    def hint_full(self, snapshot_s: float, nbytes: float) -> None:
+        """The attach full: ``snapshot_s`` on the training thread for ``nbytes`` (training thread)."""
+        self._snapshot_hint, self._bytes_hint = snapshot_s, nbytes
+
+    # -- training thread, per step ---------------------------------------------------------------------------
+    def decide(self, ctx: StepContext) -> StepDecision:
+        record = self.recording
+        switch, self._switch_to = self._switch_to, None
+        if switch == "every_step":            # records resume after a full of this very step
+            self.recording = True
+            return StepDecision(full=True, close_batch=True, record=False)
+        if not record:
+            k = self.k
+            return StepDecision(full=ctx.step - ctx.last_full_step >= k, close_batch=True, record=False)
+        d = self.inner.decide(ctx)
+        if switch is not None:                # the last recorded step: its batch goes now
+            self.recording = False
+            return StepDecision(full=d.full, close_batch=True, record=True)
+        return d
+
+    def needs_state(self, step: int, last_full_step: int) -> bool:
+        """Whether step ``step``'s loop state must be captured (training thread, post-step hook, O(1)): always
+        while recording; in the every-k modes only where a full may be taken (due, or a switch pending). A full
+        that comes due anyway at a step captured without it (a full the coordinator asks for) is taken at the
+        next step."""
+        return self.recording or self._switch_to is not None or step - last_full_step >= self.k
+
+    # -- training thread, once a window ------------------------------------------------------------------------
+    def observe(self, w: Window) -> None:
+        self._seen += 1
+        self.overhead = w.overhead
+        if w.recorded and w.fulls == 0 and w.bytes > 0:
+            self._bytes_per_step = w.bytes
+        self.base_s = w.base_s if self.base_s is None else 0.7 * self.base_s + 0.3 * w.base_s
+        if w.recorded:   # every step recorded: the mode's whole cost per step (its periodic fulls included)
+            if self._seen > self.warmup:
+                self.step_cost = w.cost_s if self.step_cost is None else 0.5 * self.step_cost + 0.5 * w.cost_s
+            if w.fulls and self.full_cost is None:
+                self._snapshot_hint = w.snapshot_s / w.fulls
+        else:            # unrecorded steps: the loop state's capture on every step (fixed), the rest is the fulls'
+            fixed = max(0.0, (w.cost_s - w.other_cpu_s) * w.steps - w.snapshot_s) / w.steps
+            self.fixed_cost = fixed if self.fixed_cost is None else 0.5 * self.fixed_cost + 0.5 * fixed
+            self._k_cost += w.snapshot_s + w.other_cpu_s * w.steps   # (accumulated until a full is seen)
+            self._k_fulls += w.fulls
+            if self._k_fulls:
+                c = self._k_cost / self._k_fulls
+                self.full_cost = c if self.full_cost is None else 0.5 * self.full_cost + 0.5 * c
+                self._k_cost, self._k_fulls = 0.0, 0
+        if self._seen <= self.warmup or self.budget <= 0 or not self.granular:
+            if self.budget <= 0:
+                self.reason = "overhead_budget=0: every step recorded"
+            elif not self.granular:
+                self.reason = "measured only: this strategy records every step"
+            return
+        allowed = self.budget * self.base_s
+        if self.mode == "every_step":
+            if self.step_cost is None or self.step_cost <= allowed:
+                self.reason = (f"every step fits: {_ms(self.step_cost or w.cost_s)} per step of "
+                               f"{_ms(self.base_s)} ({_pct((self.step_cost or w.cost_s) / self.base_s)}, budget "
+                               f"{_pct(self.budget)})")
+                return
+            k = self._k_for(allowed)
+            self._set(k, f"every step costs {_ms(self.step_cost)} of a {_ms(self.base_s)} step "
+                         f"({_pct(self.step_cost / self.base_s)} > budget {_pct(self.budget)})")
+            self._switch_to = "every_k"
+            return
+        if self.step_cost is not None and self.step_cost <= RETURN_SHARE * allowed:
+            self._switch_to = "every_step"
+            self._change("every_step", 1, f"every step fits again: {_ms(self.step_cost)} per step of "
+                                          f"{_ms(self.base_s)} ({_pct(self.step_cost / self.base_s)})")
+            return
+        k = self._k_for(allowed)
+        if not (self.k / K_HYSTERESIS <= k <= self.k * K_HYSTERESIS or abs(k - self.k) <= 1):
+            self._set(k, f"a full costs {_ms(self.full_cost or 0.0)} of training-process time, an unrecorded "
+                         f"step {_ms(self.fixed_cost or 0.0)}")
+
+    def _k_for(self, allowed: float) -> int:
+        cf = self.full_cost
+        if cf is None:   # not measured as such yet: the attach snapshot, plus the other CPU in proportion to bytes
+            cf = self._snapshot_hint or 0.0
+            if self._bytes_hint and self._bytes_per_step and self.step_cost is not None:
+                cf += self.step_cost * self._bytes_hint / self._bytes_per_step
+            cf = max(cf, self.step_cost or 0.0)
+        room = allowed - (self.fixed_cost or 0.0)   # what the fulls may cost per step
+        if room <= 0:
+            return self.max_k
+        return int(min(self.max_k, max(2, math.ceil(cf / room))))
+
+    def _set(self, k: int, why: str) -> None:
+        fe = getattr(self.inner, "full_every", None)
+        mode = "fulls_only" if fe is not None and k >= fe else "every_k"
+        if k >= self.max_k:
+            why += f" (the budget cannot be met: k capped at max_full_every={self.max_k})"
+        self._change(mode, k, f"{why}: a full every {k} steps")
+
+    def _change(self, mode: str, k: int, why: str) -> None:
+        self.mode, self.k = mode, k
+        self.reason = why
+        self.changes.append({"mode": mode, "k": k, "reason": why})
+        del self.changes[:-20]
+        if self.on_change is not None:
+            self.on_change(self.report())
+
+    def report(self) -> dict:
+        """The granularity in force and why (JSON-able). Any thread."""
+        return {"mode": self.mode, "k": self.k, "lost_work_steps": self.lost_work_steps,
+                "overhead_budget": self.budget, "measured_overhead": self.overhead,
+                "step_cost_s": self.step_cost, "full_cost_s": self.full_cost,
+                "unrecorded_step_cost_s": self.fixed_cost, "base_step_s": self.base_s,
+                "reason": self.reason, "changes": list(self.changes)}
+
+    # forwarded to the cost-model policy (stats, the local feed)
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f} ms"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+# -- writes in proportion ------------------------------------------------------------------------------------------
+#: durable_diffs="auto" writes every step's diff while that needs at most this share of the storage's measured
+#: write bandwidth (the rest is left to fulls, other runs and bursts)
+DURABLE_SHARE = 0.25
+
+
+def choose_durable(current: str, *, diff_rate: float, write_bw: float | None) -> tuple[str, str]:
+    """``(mode, reason)`` of ``durable_diffs="auto"``: ``"all"`` while the diffs handed over (``diff_rate``,
+    bytes/s) need at most :data:`DURABLE_SHARE` of the measured write bandwidth (``write_bw``, bytes/s; None:
+    not measured yet, so ``current`` stays), else ``"fulls"`` (the memory tier on two nodes plus the fulls); back
+    to ``"all"`` below half that share. Any thread; pure."""
+    if write_bw is None or write_bw <= 0:
+        return current, "write bandwidth not measured yet"
+    need = diff_rate / write_bw
+    text = (f"diffs need {diff_rate / 1e6:.1f} MB/s of a measured {write_bw / 1e6:.0f} MB/s "
+            f"({100 * need:.0f} %, limit {100 * DURABLE_SHARE:.0f} %)")
+    if current == "all" and need > DURABLE_SHARE:
+        return "fulls", text
+    if current == "fulls" and need < DURABLE_SHARE / 2:
+        return "all", text
+    return current, text

@@ -1,0 +1,215 @@
+"""The overhead budget: what the policy measures in the training process and the recovery granularity it
+chooses from it. No timing is asserted: the loops are made cheap or expensive by orders of magnitude (a sleep in
+the step, a huge dense gradient with a budget of 0.1 %), and what is checked is the choice and its exactness."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+import ray_ckpt
+from ray_ckpt.cli.main import main as cli_main
+from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.policy import FixedFrequencyPolicy, StepContext
+from ray_ckpt.policy.budget import BudgetPolicy, StepMeter, Window, choose_durable
+from ray_ckpt.storage import open_storage
+
+
+def _w(cost_ms: float, step_ms: float = 10.0, *, recorded=True, fulls=0, snapshot_ms=0.0, steps=100) -> Window:
+    return Window(steps=steps, step_s=step_ms / 1e3, capture_s=cost_ms / 1e3, optimizer_s=1e-3, stall_s=0.0,
+                  other_cpu_s=0.0, fulls=fulls, snapshot_s=snapshot_ms / 1e3, bytes=1e6, recorded=recorded,
+                  capture_cpu_s=cost_ms / 1e3)
+
+
+def _ctx(step, last_full):
+    return StepContext(step=step, last_full_step=last_full, steps_in_batch=1)
+
+
+def test_budget_policy_chooses_the_granularity_from_measured_windows():
+    changes = []
+    p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, on_change=changes.append)
+    p.hint_full(0.002, 8e6)
+    for _ in range(3):                      # every step fits: 0.2 ms of a 9.8 ms step
+        p.observe(_w(0.2))
+    assert (p.mode, p.k, p.recording) == ("every_step", 1, True) and not changes
+    p.observe(_w(3.0))                      # 3 ms per step of a 7 ms step: over 5 %
+    assert p.mode in ("every_k", "fulls_only") and p.k >= 2 and p.lost_work_steps == p.k
+    d = p.decide(_ctx(51, 0))               # the switch: the last recorded step closes its batch
+    assert d.record and d.close_batch and not p.recording
+    k = p.k
+    assert [p.decide(_ctx(51 + i, 51)).full for i in range(1, k + 1)] == [False] * (k - 1) + [True]
+    assert not p.decide(_ctx(60, 51)).record
+    # the fulls turn out cheap and the unrecorded steps cheaper: k follows the measured cost of a full
+    p.observe(_w(0.05, recorded=False, fulls=2, snapshot_ms=1.0))
+    assert p.full_cost is not None and p.fixed_cost is not None
+    # every step fits again (the step got slower): a full of the switch step, then records
+    p.observe(_w(3.0, step_ms=1000.0, recorded=True))
+    p.step_cost = 0.001
+    p.observe(_w(0.05, step_ms=1000.0, recorded=False, fulls=1, snapshot_ms=1.0))
+    assert p.mode == "every_step"
+    d = p.decide(_ctx(200, 190))
+    assert d.full and not d.record and p.recording
+    assert [c["mode"] for c in changes][0] in ("every_k", "fulls_only") and changes[-1]["mode"] == "every_step"
+    assert "budget" in p.report()["reason"] or "fits" in p.report()["reason"]
+
+
+def test_budget_zero_and_bad_values():
+    p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.0)
+    for _ in range(3):
+        p.observe(_w(50.0))
+    assert p.mode == "every_step" and "overhead_budget=0" in p.reason
+    with pytest.raises(ValueError, match="overhead_budget"):
+        ray_ckpt.CheckpointConfig(overhead_budget=-0.1)
+    with pytest.raises(ValueError, match="overhead_budget"):
+        ray_ckpt.CheckpointConfig(overhead_budget=float("nan"))
+
+
+def test_budget_env_knob(monkeypatch):
+    monkeypatch.setenv("RAY_CKPT_OVERHEAD_BUDGET", "0.02")
+    assert ray_ckpt.CheckpointConfig.resolve().overhead_budget == 0.02
+    monkeypatch.setenv("RAY_CKPT_OVERHEAD_BUDGET", "lots")
+    with pytest.raises(ValueError, match="RAY_CKPT_OVERHEAD_BUDGET"):
+        ray_ckpt.CheckpointConfig.resolve()
+
+
+def test_step_meter_windows_and_durable_choice():
+    t = {"cpu": (0.0, 0.0)}
+    got = []
+    m = StepMeter(clock=None, cpu=lambda: t["cpu"], counters=lambda: (0.0, 0.0), window_s=0.05, min_steps=4,
+                  on_window=got.append)
+    for _ in range(3):
+        assert m.tick(0.01, 0.001, 0.002, 0.0005) is None
+    t["cpu"] = (0.05, 0.04)                 # the process spent 10 ms outside the training thread
+    w = m.tick(0.06, 0.001, 0.002, 0.0005)
+    assert got == [w] and w.steps == 4 and w.other_cpu_s == pytest.approx(0.0025)
+    assert w.cost_s == pytest.approx(0.0005 + 0.0025) and w.optimizer_s == pytest.approx(0.002)
+    assert choose_durable("all", diff_rate=265e6, write_bw=500e6)[0] == "fulls"
+    assert choose_durable("all", diff_rate=10e6, write_bw=500e6)[0] == "all"
+    assert choose_durable("fulls", diff_rate=100e6, write_bw=500e6)[0] == "fulls"   # hysteresis
+    assert choose_durable("fulls", diff_rate=10e6, write_bw=500e6)[0] == "all"
+    assert choose_durable("all", diff_rate=1e9, write_bw=None)[0] == "all"
+
+
+# -- loops --------------------------------------------------------------------------------------------------------
+def _model(width: int, seed: int = 0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+    return m, torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9)
+
+
+def _step(m, opt, step: int, width: int, sleep: float = 0.0):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(1, width, generator=g)
+    loss = torch.tanh(m(x)).mean()
+    opt.zero_grad()
+    loss.backward()
+    if sleep:
+        time.sleep(sleep)
+    opt.step()
+
+
+def _assert_points_restore_bitwise(uri, width, steps: list[int]):
+    """Every step in ``steps`` restores to the state of an uninterrupted twin at that step (torch.equal)."""
+    twin, topt = _model(width)
+    done = 0
+    for s in sorted(steps):
+        while done < s:
+            done += 1
+            _step(twin, topt, done, width)
+        m, opt = _model(width, seed=1)
+        assert ray_ckpt.restore(uri, m, opt, step=s) == s
+        for a, b in zip(m.parameters(), twin.parameters()):
+            assert torch.equal(a, b), s
+        got, want = opt.state_dict()["state"], topt.state_dict()["state"]
+        assert got.keys() == want.keys(), s
+        for i in want:
+            assert all(torch.equal(got[i][k], v) for k, v in want[i].items()), s
+
+
+def test_expensive_loop_records_a_full_every_k_steps_and_each_restores_bitwise(tmp_path, capsys):
+    """A 16 MB dense gradient per step of a batch-1 step: recording every step costs about as much as the step
+    (its copy alone), far beyond the 5 % budget, so the policy records a full every k steps (at most 300 here,
+    to keep the test short); every recovery point it reports restores bitwise."""
+    width, uri = 2048, str(tmp_path / "ck")
+    m, opt = _model(width)
+    ck = ray_ckpt.Checkpointer(uri, m, opt, overhead_budget=0.05, max_full_every=300)
+    step, deadline, fulls_at_switch = 0, time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        step += 1
+        _step(m, opt, step, width)
+        if ck.budget.mode != "every_step":
+            cap = ck._capture
+            if fulls_at_switch is None:
+                fulls_at_switch = cap.full_snapshots
+            elif cap.full_snapshots >= fulls_at_switch + 2 and step > cap.last_full_step + 1:
+                break
+    st = ck.stats()
+    ck.close()
+    gran = st["granularity"]
+    assert gran["mode"] in ("every_k", "fulls_only"), gran
+    assert gran["k"] >= 2 and gran["lost_work_steps"] == gran["k"]
+    assert st["policy"]["granularity"] == gran and st["full_every"] == gran["k"]
+    lineage, _ = load_lineage(open_storage(uri))
+    gen = lineage.generations[-1]
+    assert lineage.uncovered_steps(gen) == []            # unrecorded by choice: not a gap
+    assert lineage.head() == step                        # close() took a full of the last, unrecorded step
+    fulls = sorted(mm.last_step for mm in lineage.manifests if mm.kind == "full")
+    assert any(mm.info.get("unrecorded_from") for mm in lineage.manifests if mm.kind == "full")
+    points = lineage.reachable_steps(gen)
+    # the recovery points it reports: the recorded steps and every full; the newest few and the fulls
+    check = sorted(set(fulls[-3:]) | set(points[-2:]) | {points[0]})
+    _assert_points_restore_bitwise(uri, width, check)
+    assert cli_main(["ls", uri]) == 0
+    out = capsys.readouterr().out
+    assert "overhead budget: recovery points every" in out and "GAP" not in out, out
+
+
+def test_cheap_loop_keeps_every_step(tmp_path):
+    """A 50 ms step whose checkpoint costs a few hundred bytes: every step stays recorded and restorable."""
+    width, uri = 8, str(tmp_path / "ck")
+    m, opt = _model(width)
+    with ray_ckpt.Checkpointer(uri, m, opt, overhead_budget=0.05) as ck:
+        step, deadline = 0, time.monotonic() + 3.0
+        while time.monotonic() < deadline or ck._capture.meter.windows < 2:
+            step += 1
+            _step(m, opt, step, width, sleep=0.05)
+        ck.flush()
+        st = ck.stats()
+    assert st["granularity"]["mode"] == "every_step" and st["granularity"]["lost_work_steps"] == 1
+    assert st["granularity"]["measured_overhead"] is not None
+    est = st["policy"]["estimates"]
+    assert est["step"]["n"] > 0 and est["step"]["mean"] > 0.05 > est["optimizer_step"]["mean"] > 0
+    assert est["replay"]["source"].startswith("optimizer.step()")
+    lineage, _ = load_lineage(open_storage(uri))
+    assert lineage.reachable_ranges(lineage.generations[-1]) == [(0, step)]
+    _assert_points_restore_bitwise(uri, width, [step // 2, step])
+
+
+@pytest.mark.ray
+def test_estimates_are_measured_under_the_ray_runtime(tmp_path, ray_cluster):  # noqa: F811
+    """runtime="ray": the coordinator's cost model gets the training thread's windows (no placeholders)."""
+    from ray_ckpt.runtime.coordinator import shutdown_run
+    run, uri, width = f"b-{uuid.uuid4().hex[:8]}", str(tmp_path / "ck"), 16
+    m, opt = _model(width)
+    try:
+        with ray_ckpt.Checkpointer(uri, m, opt, runtime="ray", run=run) as ck:
+            step, deadline = 0, time.monotonic() + 60
+            est = None
+            while time.monotonic() < deadline:
+                step += 1
+                _step(m, opt, step, width, sleep=0.01)
+                if step % 50 == 0:
+                    est = ck.stats()["policy"]["estimates"]
+                    if est["step"]["n"] > 0 and est["optimizer_step"]["n"] > 0:
+                        break
+            st = ck.stats()
+        est = st["policy"]["estimates"]
+        assert est["step"]["n"] > 0 and 0.01 < est["step"]["mean"] < 1.0
+        assert est["replay"]["mean"] > 0 and est["replay"]["source"].startswith("optimizer.step()")
+        assert "1.00 s step" not in st["policy"]["reason"]
+        assert st["granularity"]["mode"] == "every_step"
+        assert st["durable_diffs"]["mode"] == "all" and st["durable_diffs"]["auto"]
+    finally:
+        shutdown_run(run)
