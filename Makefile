@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 # the whole suite (what CI runs), with the 25 slowest tests listed at the end
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 # the fast tier (~2 min here, in two pytest-xdist workers): everything that needs neither Ray (marker ray) nor a
 # process group of several ranks (marker procs), without the fault trials of tests/reliability (outages, full

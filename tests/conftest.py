@@ -55,6 +55,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()) and "ray" not in item.keywords:
             item.add_marker(pytest.mark.ray)
+        # under pytest-xdist (`make test`: -n 2 --dist loadgroup) every Ray test runs in one worker, one after
+        # another, on that worker's one session cluster; the other worker takes everything else
+        if "ray" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if config.getoption("--run-long"):
         return
     skip = pytest.mark.skip(reason="long test: run with --run-long")
@@ -237,10 +241,33 @@ def storage_uri(request, tmp_path) -> StorageTarget:
     return request.getfixturevalue("s3_uri")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The reliability table: rows recorded by a test travel on its report (so they reach the controller process
+# under pytest-xdist) and are printed once at the end
+# ---------------------------------------------------------------------------------------------------------
+_RELIABILITY_KEY = "reliability_rows"
+_reported_rows: list[dict] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    from tests.reliability import ROWS
+    outcome = yield
+    if ROWS:   # recorded during this phase of this test
+        outcome.get_result().user_properties.append((_RELIABILITY_KEY, list(ROWS)))
+        ROWS.clear()
+
+
+def pytest_runtest_logreport(report):
+    for key, rows in report.user_properties:
+        if key == _RELIABILITY_KEY:
+            _reported_rows.extend(rows)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The reliability table (tests/reliability), when any fault trials ran in this session."""
-    from tests.reliability import ROWS, table
-    if ROWS:
+    from tests.reliability import table
+    if _reported_rows:
         terminalreporter.write_sep("=", "reliability: faults injected, outcomes")
-        terminalreporter.write_line(table(ROWS))
+        terminalreporter.write_line(table(_reported_rows))
 
