@@ -137,8 +137,9 @@ def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = [f"# ray_ckpt.train.attach start-up — {meta['date']}, {meta['machine']}", "",
              f"Ray Train, 2 CPU workers on {meta['nodes']} node(s), MLP 784-512-512-10 ({meta['params']:,} "
-             f"parameters), SGD momentum, defaults; {meta['repeats']} fits per arm, each a fresh "
-             f"start and a restart (rank 1 fails at step {meta['fail_at']}). Median over the fits [95% bootstrap "
+             f"parameters), SGD momentum, defaults; up to {meta['repeats']} fits per arm, each a fresh "
+             f"start and, where rank 1 fails once (at step {meta['fail_at']}; 0: never), a restart. Median over "
+             "the fits [95% bootstrap "
              "interval], seconds. `phase.*`: the phases of `TrainSession.startup` (attach's INFO log line); "
              "`since_fit_s`: when the loop began after `fit()` (Ray Train's own start, for scale)."]
     for arm, summary in result["summary"].items():
@@ -213,6 +214,11 @@ def combine(paths: list[str]) -> dict:
         for arm, fs in r["fits"].items():
             fits.setdefault(arm, []).extend(fs)
     meta["repeats"] = max(len(fs) for fs in fits.values())
+    fail_at = set()
+    for path in paths:
+        with open(path) as f:
+            fail_at.add(json.load(f)["meta"]["fail_at"])
+    meta["fail_at"] = sorted(fail_at) if len(fail_at) > 1 else fail_at.pop()
     meta["combined_from"] = sorted(os.path.basename(p) for p in paths)
     meta["arms"] = sorted(fits)
     return {"meta": meta, "fits": fits, "summary": {arm: summarize(fs) for arm, fs in fits.items()}}
