@@ -139,6 +139,8 @@ class StepMeter:
         # the training thread's time waiting for a core (preempted: an oversubscribed machine), when the clock
         # gives it: not step time either, or the budget would be measured against a step the machine slowed
         waited = max(0.0, c1[2] - self._cpu0[2]) if len(c1) > 2 and len(self._cpu0) > 2 else 0.0
+        if self._wall > 0:   # the waits during pauses are not the steps' (read once a window: pro rata)
+            waited *= (self._wall - self._paused) / self._wall
         waited = min(waited, 0.9 * max(0.0, self._wall - self._paused - self._hook))
         stall1, bytes1 = self.counters() if self.counters is not None else (0.0, 0.0)
         stall0, bytes0 = self._ctr0
