@@ -154,6 +154,8 @@ def main(argv=None) -> int:
                     with harness.private_ray(short, num_cpus=2, object_store_mb=512) as host:
                         cell["address"] = host.address
                         res = run_one()
+                except RuntimeError as e:   # Ray did not start (an overloaded machine): the row says so
+                    res = {"error": str(e).splitlines()[0]}
                 finally:
                     shutil.rmtree(short, ignore_errors=True)
             else:

@@ -89,6 +89,7 @@ def test_step_meter_windows_and_durable_choice():
     assert choose_durable("all", diff_rate=10e6, write_bw=500e6)[0] == "all"
     assert choose_durable("fulls", diff_rate=100e6, write_bw=500e6)[0] == "fulls"   # hysteresis
     assert choose_durable("fulls", diff_rate=10e6, write_bw=500e6)[0] == "all"
+    assert choose_durable("all", diff_rate=2e6, write_bw=4e6)[0] == "all"            # a trickle: always written
     assert choose_durable("all", diff_rate=1e9, write_bw=None)[0] == "all"
 
 

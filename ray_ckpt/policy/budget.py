@@ -139,6 +139,8 @@ class StepMeter:
         # the training thread's time waiting for a core (preempted: an oversubscribed machine), when the clock
         # gives it: not step time either, or the budget would be measured against a step the machine slowed
         waited = max(0.0, c1[2] - self._cpu0[2]) if len(c1) > 2 and len(self._cpu0) > 2 else 0.0
+        if self._wall > 0:   # the waits during pauses are not the steps' (read once a window: pro rata)
+            waited *= (self._wall - self._paused) / self._wall
         waited = min(waited, 0.9 * max(0.0, self._wall - self._paused - self._hook))
         stall1, bytes1 = self.counters() if self.counters is not None else (0.0, 0.0)
         stall0, bytes0 = self._ctr0
@@ -333,6 +335,9 @@ def _pct(x: float) -> str:
 #: durable_diffs="auto" writes every step's diff while that needs at most this share of the storage's measured
 #: write bandwidth (the rest is left to fulls, other runs and bursts)
 DURABLE_SHARE = 0.25
+#: diffs at fewer bytes per second than this are always written (the bandwidth measured from a trickle of small
+#: objects is mostly their per-request latency, and such a trickle never crowds a storage)
+MIN_DURABLE_RATE = 8e6
 
 
 def choose_durable(current: str, *, diff_rate: float, write_bw: float | None) -> tuple[str, str]:
@@ -345,6 +350,8 @@ def choose_durable(current: str, *, diff_rate: float, write_bw: float | None) ->
     need = diff_rate / write_bw
     text = (f"diffs need {diff_rate / 1e6:.1f} MB/s of a measured {write_bw / 1e6:.0f} MB/s "
             f"({100 * need:.0f} %, limit {100 * DURABLE_SHARE:.0f} %)")
+    if diff_rate < MIN_DURABLE_RATE:
+        return "all", text + f"; under {MIN_DURABLE_RATE / 1e6:.0f} MB/s: always written"
     if current == "all" and need > DURABLE_SHARE:
         return "fulls", text
     if current == "fulls" and need < DURABLE_SHARE / 2:
