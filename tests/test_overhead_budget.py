@@ -55,6 +55,20 @@ def test_budget_policy_chooses_the_granularity_from_measured_windows():
     assert "budget" in p.report()["reason"] or "fits" in p.report()["reason"]
 
 
+def test_a_budget_no_granularity_meets_falls_back_to_the_cost_models_fulls():
+    """Even an unrecorded step costs more than the budget: recovery points at the cost model's full interval (the
+    coarsest granularity it chose for failures), never a longer interval that loses more work and still misses."""
+    p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
+    p.hint_full(0.002, 8e6)
+    for _ in range(2):
+        p.observe(_w(3.0))                                   # every step: 3 ms of a 7 ms step
+    assert p.mode in ("every_k", "fulls_only") and p.k <= 100
+    p.decide(_ctx(51, 0))
+    p.observe(_w(2.0, recorded=False, fulls=1, snapshot_ms=1.0))   # unrecorded steps alone: 2 ms of an 8 ms step
+    assert (p.mode, p.k, p.lost_work_steps) == ("fulls_only", 100, 100), p.report()
+    assert "cannot be met" in p.reason and "100 steps" in p.reason
+
+
 def test_budget_zero_and_bad_values():
     p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.0)
     for _ in range(3):

@@ -289,15 +289,24 @@ class BudgetPolicy:
                 cf += self.step_cost * self._bytes_hint / self._bytes_per_step
             cf = max(cf, self.step_cost or 0.0)
         room = allowed - (self.fixed_cost or 0.0)   # what the fulls may cost per step
+        cap = self._k_cap()
         if room <= 0:
-            return self.max_k
-        return int(min(self.max_k, max(2, math.ceil(cf / room))))
+            return cap
+        return int(min(cap, max(2, math.ceil(cf / room))))
+
+    def _k_cap(self) -> int:
+        """The coarsest granularity: the fulls the cost model chose for failures (its Young/Daly-style interval),
+        never beyond ``max_k``. Past it a longer interval costs more lost work than it saves in overhead: the
+        cost model already weighed a full's cost against the work a failure loses."""
+        fe = getattr(self.inner, "full_every", None)
+        return max(2, min(self.max_k, int(fe))) if fe else self.max_k
 
     def _set(self, k: int, why: str) -> None:
-        fe = getattr(self.inner, "full_every", None)
-        mode = "fulls_only" if fe is not None and k >= fe else "every_k"
-        if k >= self.max_k:
-            why += f" (the budget cannot be met: k capped at max_full_every={self.max_k})"
+        cap = self._k_cap()
+        mode = "fulls_only" if k >= cap else "every_k"
+        if k >= cap:
+            why += (f" (the budget cannot be met by a finer granularity: recovery points at the cost model's full "
+                    f"interval, {cap} steps)")
         self._change(mode, k, f"{why}: a full every {k} steps")
 
     def _change(self, mode: str, k: int, why: str) -> None:
