@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()) and "ray" not in item.keywords:
             item.add_marker(pytest.mark.ray)
-        # under pytest-xdist (`make test`: -n 2 --dist loadgroup) every Ray test runs in one worker, one after
+        # under pytest-xdist (`pytest -n 2 --dist loadgroup`) every Ray test runs in one worker, one after
         # another, on that worker's one session cluster; the other worker takes everything else
         if "ray" in item.keywords:
             item.add_marker(pytest.mark.xdist_group("ray"))

@@ -13,7 +13,9 @@ import ray_ckpt.train
 from tests import _training as T
 from tests._loader_fn import BATCH, EPOCHS, ROWS, epoch_loop
 
-pytestmark = pytest.mark.ray
+# the same loop and kill with a Ray Train reference fit: tests/test_rank_death_ray_train.py covers it in `make test`
+# (a gloo reference, both ranks, dense and top-k); this one runs with the long tests
+pytestmark = [pytest.mark.ray, pytest.mark.long]
 
 PER_EPOCH = ROWS // 2 // BATCH     # 8
 
