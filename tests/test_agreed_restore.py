@@ -125,8 +125,10 @@ def _group_worker(rank, world, port, uri, out, start_fresh, until, abandon_rank1
         if rank == 0:
             ck = ray_ckpt.Checkpointer(storage, model, opt, scheduler=sch, extra_state=extra, start_step=start,
                                        full_every=5, batch_steps=4, policy="fixed")
+        # abandoning: rank 1's records go out only in batches of 4 (no time-based write), so the steps after the
+        # last full batch are surely unwritten when its process exits
         rec = _record_rank_loop(storage, rank, ddp, opt, ck, start=start, extra_state=extra, full_every=5,
-                                batch_steps=4)
+                                batch_steps=4, handoff_delay=3600.0 if abandon_rank1 else None)
         for s in range(start, until):
             data.pos += 1
             T.train_step("mlp_do", ddp, opt, sch, s, rank, reseed=False)
@@ -197,8 +199,8 @@ def test_a_rank_whose_last_loop_records_were_lost_pulls_the_group_back(tmp_path,
     ref = plain_reference
     uri = str(tmp_path / "ckpt")
     _group(tmp_path, uri, "a", True, 14, abandon_rank1=True)
-    # how far rank 1's loop records got before its process exited depends on its writer thread's timing; what
-    # the group must agree on is that step (rank 0 made all 14 durable)
+    # rank 1 wrote its loop records in batches of 4 only: the last ones were lost; the group must agree on the
+    # last step it recorded (rank 0 made all 14 durable)
     recorded = rank_loop_head(open_uri(uri), 1, 1)
     assert recorded is not None and recorded < 14, recorded        # its last records were lost
     got = _group(tmp_path, uri, "b", False, 23)
