@@ -6,6 +6,7 @@ Train and without ray_ckpt (``DistributedDataParallel`` and a ``DistributedSampl
 ``prepare_model``/``prepare_data_loader`` build them on CPU): the uninterrupted run to compare with."""
 from __future__ import annotations
 
+import glob
 import os
 import time
 
@@ -115,3 +116,25 @@ def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
             _final(config["out"], rank, 0, False, step, data, model, opt)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def fit(ckpt, name: str, config: dict, *, storage_path, full_every: int, batch_steps: int):
+    """Driver: :func:`epoch_loop` under Ray Train (2 CPU workers, one restart allowed) with ray_ckpt's callback
+    writing to ``ckpt``; the Result."""
+    import ray_ckpt.train
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    trainer = TorchTrainer(
+        epoch_loop, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=str(storage_path), failure_config=FailureConfig(max_failures=1),
+                             callbacks=[ray_ckpt.train.RayCkptCallback(ckpt, full_every=full_every,
+                                                                       batch_steps=batch_steps)]))
+    return trainer.fit()
+
+
+def read_finals(out) -> dict:
+    """Driver: each rank's final record of the last attempt under ``out``, by rank."""
+    got = [torch.load(p, weights_only=True) for p in glob.glob(os.path.join(str(out), "final-*.pt"))]
+    assert len(got) == 2, [(d["rank"], d["start"]) for d in got]     # one final per rank: the last attempt's
+    return {d["rank"]: d for d in got}

@@ -9,7 +9,6 @@ The uninterrupted runs are computed once, without Ray Train (torch.multiprocessi
 loop), and shared by the cases."""
 from __future__ import annotations
 
-import glob
 import os
 import uuid
 
@@ -17,18 +16,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import ray_ckpt.train
 from tests import _training as T
-from tests._loader_fn import EPOCHS, ROWS, BATCH, epoch_loop, reference_worker
+from tests._loader_fn import BATCH, EPOCHS, ROWS, fit, read_finals, reference_worker
 
 PER_EPOCH = ROWS // 2 // BATCH     # 8
 KILL_AT = 13                       # epoch 1, batch 5
-
-
-def _finals(out):
-    got = [torch.load(p, weights_only=True) for p in glob.glob(str(out / "final-*.pt"))]
-    assert len(got) == 2, [(d["rank"], d["start"]) for d in got]     # one final per rank: the last attempt's
-    return {d["rank"]: d for d in got}
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +31,12 @@ def references(tmp_path_factory):
     for c in configs.values():
         os.makedirs(c["out"])
     mp.spawn(reference_worker, args=(2, T.free_port(), list(configs.values())), nprocs=2, join=True)
-    return {mode: _finals(tmp / mode) for mode in configs}
+    return {mode: read_finals(tmp / mode) for mode in configs}
 
 
 def _fit(tmp, name, config):
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-    trainer = TorchTrainer(
-        epoch_loop, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=name, storage_path=str(tmp / "ray_train"),
-                             failure_config=FailureConfig(max_failures=1),
-                             # batches of 10 steps: before the loop records kept pace, a rank's death cost up
-                             # to this many
-                             callbacks=[ray_ckpt.train.RayCkptCallback(tmp / "ckpt", full_every=20,
-                                                                       batch_steps=10)]))
-    return trainer.fit()
+    # batches of 10 steps: before the loop records kept pace, a rank's death cost up to this many
+    return fit(tmp / "ckpt", name, config, storage_path=tmp / "ray_train", full_every=20, batch_steps=10)
 
 
 def _case(tmp_path, references, kill_rank, mode):
@@ -65,7 +47,7 @@ def _case(tmp_path, references, kill_rank, mode):
     result = _fit(tmp_path, f"death-{mode}-{kill_rank}-{uuid.uuid4().hex[:6]}", config)
     assert result.error is None, result.error
     assert (out / "killed").exists()
-    finals = _finals(out)
+    finals = read_finals(out)
     assert sorted(finals) == [0, 1]
     first_attempt = {r: int((out / f"progress-{r}-0").read_text()) for r in (0, 1)}
     # no rank completed a step past the kill (a surviving rank's exchange with the dead one failed loudly)

@@ -3,15 +3,13 @@ a plain shuffling DataLoader without a generator of its own, Dropout, SGD with m
 mid-epoch resumes mid-epoch and every rank ends bitwise in the uninterrupted run's state (model, optimizer, RNG)."""
 from __future__ import annotations
 
-import glob
 import uuid
 
 import pytest
 import torch
 
-import ray_ckpt.train
 from tests import _training as T
-from tests._loader_fn import BATCH, EPOCHS, ROWS, epoch_loop
+from tests._loader_fn import BATCH, EPOCHS, ROWS, fit, read_finals
 
 # the same loop and kill with a Ray Train reference fit: tests/test_rank_death_ray_train.py covers it in `make test`
 # (a gloo reference, both ranks, dense and top-k); this one runs with the long tests
@@ -21,22 +19,7 @@ PER_EPOCH = ROWS // 2 // BATCH     # 8
 
 
 def _fit(tmp, name, config):
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-    trainer = TorchTrainer(
-        epoch_loop, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=name, storage_path=str(tmp / "ray_train"),
-                             failure_config=FailureConfig(max_failures=1),
-                             callbacks=[ray_ckpt.train.RayCkptCallback(tmp / f"ckpt-{name}", full_every=10,
-                                                                       batch_steps=2)]))
-    return trainer.fit()
-
-
-def _finals(out):
-    got = [torch.load(p, weights_only=True) for p in glob.glob(str(out / "final-*.pt"))]
-    assert len(got) == 2, [(d["rank"], d["start"]) for d in got]     # one final per rank: the last attempt's
-    return {d["rank"]: d for d in got}
+    return fit(tmp / f"ckpt-{name}", name, config, storage_path=tmp / "ray_train", full_every=10, batch_steps=2)
 
 
 def test_worker_killed_mid_epoch_resumes_bitwise(tmp_path, ray_cluster):
@@ -49,7 +32,7 @@ def test_worker_killed_mid_epoch_resumes_bitwise(tmp_path, ray_cluster):
                   {"out": str(out), "kill_at": 13, "kill_rank": 1, "step_sleep": 0.02})   # epoch 1, batch 5
     assert result.error is None, result.error
     assert (out / "killed").exists()
-    reference, finals = _finals(ref_out), _finals(out)
+    reference, finals = read_finals(ref_out), read_finals(out)
     assert sorted(reference) == sorted(finals) == [0, 1]
     for rank in (0, 1):
         ref, got = reference[rank], finals[rank]
