@@ -196,3 +196,12 @@ def init_dist(rank: int, world: int, port: int) -> None:
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def close_dist() -> None:
+    """Leave the gloo group together: a rank that exits while its peer still talks to it can abort in gloo's
+    threads ("terminate called without an active exception")."""
+    try:
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()

@@ -49,6 +49,7 @@ def _worker(rank, world, port, cases, out):
         results.append(res)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(results, f)
+    T.close_dist()
 
 
 @pytest.mark.procs
@@ -146,6 +147,11 @@ def _group_worker(rank, world, port, uri, out, start_fresh, until, abandon_rank1
     if abandon_rank1 and rank == 1:
         import os
         os._exit(0)      # the process dies with its last batch of loop records unwritten
+    if abandon_rank1:
+        import torch.distributed as dist
+        dist.destroy_process_group()     # no barrier: rank 1 is gone
+    else:
+        T.close_dist()
 
 
 class _Pos:
