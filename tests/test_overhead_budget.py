@@ -229,3 +229,41 @@ def test_estimates_are_measured_under_the_ray_runtime(tmp_path, ray_cluster):  #
         assert st["durable_diffs"]["mode"] == "all" and st["durable_diffs"]["auto"]
     finally:
         shutdown_run(run)
+
+
+@pytest.mark.ray
+def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_path, ray_cluster):  # noqa: F811
+    """runtime="ray" with the state tier's replica (the default): a 4 MB dense gradient per batch-1 step breaks a
+    0.5 % budget, so the policy leaves steps unrecorded and the trainer takes a full every k steps (the replica
+    writes no fulls of unrecorded steps); every recovery point the lineage reports restores bitwise."""
+    from ray_ckpt.runtime.coordinator import shutdown_run
+    run, uri, width = f"k-{uuid.uuid4().hex[:8]}", str(tmp_path / "ck"), 1024
+    m, opt = _model(width)
+    try:
+        ck = ray_ckpt.Checkpointer(uri, m, opt, runtime="ray", run=run, overhead_budget=0.005, max_full_every=40)
+        step, deadline, fulls_at_switch = 0, time.monotonic() + 25, None
+        while time.monotonic() < deadline:
+            step += 1
+            _step(m, opt, step, width)
+            if ck.budget.mode != "every_step":
+                cap = ck._capture
+                if fulls_at_switch is None:
+                    fulls_at_switch = cap.full_snapshots
+                elif cap.full_snapshots >= fulls_at_switch + 2 and step > cap.last_full_step + 1:
+                    break
+        st = ck.stats()
+        ck.close()
+    finally:
+        shutdown_run(run)
+    gran = st["granularity"]
+    assert gran["mode"] in ("every_k", "fulls_only") and 2 <= gran["k"] <= 40, gran
+    assert gran["lost_work_steps"] == gran["k"]
+    lineage, _ = load_lineage(open_storage(uri))
+    gen = lineage.generations[-1]
+    assert lineage.uncovered_steps(gen) == []            # unrecorded by choice: not a gap
+    assert lineage.head() == step                        # close() took a full of the last, unrecorded step
+    assert any(mm.info.get("unrecorded_from") for mm in lineage.manifests if mm.kind == "full")
+    points = lineage.reachable_steps(gen)
+    fulls = sorted(mm.last_step for mm in lineage.manifests if mm.kind == "full")
+    # recorded steps (before the switch) and the fulls every k steps after it: the oldest, newest and two fulls
+    _assert_points_restore_bitwise(uri, width, sorted(set(fulls[-2:]) | set(points[-2:]) | {points[0]}))

@@ -29,6 +29,7 @@ record of that step is finalized. Encoding, sparsifying, checksumming and writin
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from typing import Any, Callable, Protocol
@@ -39,7 +40,9 @@ import torch
 from ray_ckpt.engine.dtensor import local
 from ray_ckpt.engine.loopstate import ATTACHED_ATTR, as_stateful, group_values, rng_state, set_rng_state
 from ray_ckpt.engine.optim_layout import FINGERPRINT_KEY, ShadowError, fingerprint, optimizer_layout
-from ray_ckpt.format.records import FullState, StepRecord
+from ray_ckpt.format.container import Packed, dtype_name
+from ray_ckpt.format.framing import ALIGN
+from ray_ckpt.format.records import FullState, GradEntry, StepRecord
 from ray_ckpt.policy import FrequencyPolicy, StepContext, StepDecision
 
 
@@ -98,6 +101,75 @@ class HostPool:
                 if self.free_bytes + n <= self.max_bytes:
                     self._free[(tuple(t.shape), t.dtype)].append(t)
                     self.free_bytes += n
+
+
+class PackedGrads:
+    """One step's dense gradients in ONE host buffer, laid out as the checkpoint container lays consecutive tensors
+    out (each at an offset aligned to the format's ``ALIGN``, zero bytes between them): the capture fills it with one
+    ``torch._foreach_copy_``, the encoder hands the whole buffer over as one payload (:class:`ray_ckpt.format.
+    container.Packed`) and the Ray runtime as one array — no work per tensor after the copy. The views, the
+    :class:`GradEntry` objects and the encoder's description are built once per buffer and reused with it.
+    """
+
+    __slots__ = ("flat", "array", "views", "entries", "nbytes", "_items")
+
+    def __init__(self, layout: "PackedLayout", flat: torch.Tensor):
+        self.flat, self.nbytes = flat, layout.nbytes
+        self.array = flat.numpy()        # the same memory, as the encoder hands it over
+        self.views = [flat[o:o + n].view(dt).view(shape) for shape, dt, o, n in layout.items]
+        self.entries = [GradEntry(shape, v) for (shape, _, _, _), v in zip(layout.items, self.views)]
+        self._items = [(shape, dtype_name(dt), o, n) for shape, dt, o, n in layout.items]
+
+    def packed(self, prefix: str) -> Packed:
+        """The container's view of this buffer for the record ``prefix`` (``s<step>``): one tensor per
+        parameter, named as :func:`ray_ckpt.format.records.encode_steps` names a dense gradient."""
+        return Packed(self.array, [(f"{prefix}/g{i}/v", dt, (math.prod(shape),), o, n)
+                                   for i, (shape, dt, o, n) in enumerate(self._items)])
+
+
+class PackedLayout:
+    """Where each parameter's gradient goes in a :class:`PackedGrads` buffer (``items``: ``(shape, dtype, byte
+    offset, nbytes)`` per parameter, in order); ``nbytes`` is the buffer's size, a multiple of ``ALIGN``."""
+
+    def __init__(self, params: list):
+        self.items, off = [], 0
+        for p in params:
+            n = p.numel() * p.element_size()
+            self.items.append((tuple(p.shape), p.dtype, off, n))
+            off += n + (-n) % ALIGN
+        self.nbytes = max(off, ALIGN)
+
+
+class PackedPool:
+    """Recycled :class:`PackedGrads` buffers of one layout (training thread takes, a background thread gives back,
+    as :class:`HostPool`). At most ``limit.max_bytes`` of free buffers are kept (``limit``: the capture's
+    :class:`HostPool`, whose bound the Checkpointer sets)."""
+
+    def __init__(self, layout: PackedLayout, limit: Any = None):
+        self.layout = layout
+        self._limit = limit if limit is not None else HostPool()   # an object whose max_bytes bounds the free list
+        self._free: list = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+        self.reused = 0
+
+    def take(self) -> PackedGrads:
+        with self._lock:
+            if self._free:
+                self.reused += 1
+                return self._free.pop()
+            self.allocated += 1
+        # zeroed: the padding between tensors is part of the checksummed object (the copies never write it)
+        return PackedGrads(self.layout, torch.zeros(self.layout.nbytes, dtype=torch.uint8))
+
+    def give(self, buffers: list) -> None:
+        with self._lock:
+            for b in buffers:
+                if (len(self._free) + 1) * self.layout.nbytes <= self._limit.max_bytes:
+                    self._free.append(b)
+
+
+_SCALARS = frozenset((float, int, bool, str, type(None)))
 
 
 class _HostCopier:
@@ -171,6 +243,8 @@ class _HostCopier:
     def tree(self, x: Any, copy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
         """A host copy of a nested structure (containers copied, tensors copied to host with ``copy``, by
         default :meth:`__call__`)."""
+        if type(x) in _SCALARS:   # most of a loop state: hyper-parameters, counters
+            return x
         if isinstance(x, torch.Tensor):
             return (copy or self)(x)
         if isinstance(x, dict):

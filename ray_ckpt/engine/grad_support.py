@@ -55,6 +55,13 @@ def withdraw(params: Iterable[torch.Tensor], error: BaseException | None = None)
                 _entries[id(param)] = (weakref.ref(param), error)
 
 
+def any_published() -> bool:
+    """Whether any entry or failure mark is recorded (O(1), no lock: a capture that sees False takes every
+    gradient dense and calls no :func:`take`; a publish racing with the step's own pre-hook cannot be for this
+    step, whose backward pass is over). Training thread."""
+    return bool(_entries)
+
+
 def take(param: torch.Tensor) -> torch.Tensor | None:
     """Pop and return the published indices for ``param``, or ``None`` when nothing fresh was published.
 

@@ -16,11 +16,15 @@ import torch
 
 from ray_ckpt.config import LowDiff
 from ray_ckpt.engine import grad_support
-from ray_ckpt.engine.capture import CaptureBase
+from ray_ckpt.engine.capture import CaptureBase, PackedLayout, PackedPool
 from ray_ckpt.engine.dtensor import local
 from ray_ckpt.engine.loopstate import apply_group_values, group_values
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState, GradEntry, StepRecord
+
+
+#: dtypes the checkpoint format stores (a gradient of another dtype takes the general path, which says so)
+_PACKABLE = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat16))
 
 
 class LowDiffCapture(CaptureBase):
@@ -28,7 +32,31 @@ class LowDiffCapture(CaptureBase):
 
     def __init__(self, *args, **kwargs):
         self._consumed: tuple[list, list] | None = None   # grads + hparams taken in the pre-hook
+        self._packed = None                                # the PackedGrads the pre-hook filled
         super().__init__(*args, **kwargs)
+        # every parameter a plain CPU tensor: the dense gradients of a step go into one buffer with one copy call
+        # (a pass per tensor in Python cost more than the copy itself for a small model)
+        self._packed_pool = None
+        if self.params and all(type(local(p)) is type(p) and p.device.type == "cpu" and p.layout == torch.strided
+                               and p.dtype in _PACKABLE for p in self.params):
+            self._packed_pool = PackedPool(PackedLayout(self.params), limit=self._copy.pool)
+
+    def _take_packed(self) -> bool:
+        """The fast path of the pre-hook: every gradient present, dense, on the CPU, and no compression hook
+        published a support: one buffer, one ``torch._foreach_copy_``. False: take them one by one."""
+        if self._packed_pool is None or grad_support.any_published():
+            return False
+        grads = [p.grad for p in self.params]
+        if any(g is None for g in grads):
+            return False
+        buf = self._packed_pool.take()
+        try:
+            torch._foreach_copy_(buf.views, grads)
+        except RuntimeError:   # a sparse gradient, or a layout the fast path does not know: the general path says
+            self._packed_pool.give([buf])
+            return False
+        self._packed = buf
+        return True
 
     def _before_step(self, optimizer) -> None:
         if not getattr(self.policy, "recording", True):   # the overhead budget leaves this step unrecorded
@@ -36,6 +64,9 @@ class LowDiffCapture(CaptureBase):
             self._unrecorded = True
             return
         self._unrecorded = False
+        if self._take_packed():
+            self._consumed = (list(self._packed.entries), group_values(optimizer, self._copy.tree))
+            return
         grads: list[GradEntry | None] = []
         for p in self.params:
             g = p.grad
@@ -67,7 +98,11 @@ class LowDiffCapture(CaptureBase):
         grads, hparams = self._consumed
         self._consumed = None
         rec = StepRecord(step=step, grads=grads, hparams=hparams, loop=loop, buffers=buffers)
-        rec.pooled = self._copy.take_pooled()
+        if self._packed is not None:
+            rec.packed, self._packed = self._packed, None
+            rec.pooled = (self._packed_pool, [rec.packed])
+        else:
+            rec.pooled = self._copy.take_pooled()
         return rec
 
 

@@ -80,6 +80,20 @@ def as_numpy_bytes(t: torch.Tensor) -> np.ndarray:
     return t.numpy().reshape(-1).view(np.uint8)
 
 
+@dataclass
+class Packed:
+    """Several tensors already laid out in one buffer as :func:`encode` would lay them out back to back: each at an
+    offset (relative to the buffer) that is a multiple of ``ALIGN``, zero bytes up to the next one, the buffer's
+    length a multiple of ``ALIGN``. :func:`encode` takes it as one value of its ``tensors`` mapping (the name is
+    ignored: ``tensors`` names each part) and hands ``data`` over as one payload, without a pass per tensor; the
+    stored object is byte for byte the one the separate tensors would give.
+
+    ``tensors``: ``(name, dtype name, shape, offset, nbytes)`` per part, in offset order."""
+
+    data: np.ndarray
+    tensors: list
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
@@ -108,6 +122,20 @@ def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray], *,
     crc = 0
     alg = _checksum.DEFAULT
     for name, t in tensors.items():
+        if isinstance(t, Packed):
+            n = t.data.nbytes
+            if n % ALIGN:
+                raise ValueError(f"a packed buffer of {n} bytes: its length must be a multiple of {ALIGN}")
+            for pname, dt, shape, off, nb in t.tensors:
+                if off % ALIGN or off + nb > n:
+                    raise ValueError(f"packed tensor {pname!r} at offset {off} ({nb} bytes) does not fit")
+                entries.append('{"name":%s,"dtype":"%s","shape":[%s],"offset":%d,"nbytes":%d}'
+                               % (json.dumps(pname), dt, ",".join(map(str, shape)), offset + off, nb))
+            payloads.append(t.data)
+            if checksum:
+                crc = _checksum.compute(alg, t.data, crc)
+            offset += n
+            continue
         if isinstance(t, np.ndarray):
             t = torch.from_numpy(np.ascontiguousarray(t))
         raw = as_numpy_bytes(t)

@@ -105,10 +105,17 @@ class StepRecord:
     #: ``(pool, tensors)``: recycled host buffers the grads live in, given back by the sink once nothing reads
     #: them (:func:`recycle`); None for decoded records
     pooled: Any = field(default=None, repr=False, compare=False)
+    #: the capture's one buffer holding every gradient of ``grads`` back to back (an object with ``nbytes`` and
+    #: ``packed(prefix) -> container.Packed``, see :class:`ray_ckpt.engine.capture.PackedGrads`); None when the
+    #: gradients are separate tensors. ``grads`` are then views into it.
+    packed: Any = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
-        n = sum(g.nbytes for g in self.grads if g is not None)
+        if self.packed is not None:
+            n = self.packed.nbytes
+        else:
+            n = sum(g.nbytes for g in self.grads if g is not None)
         return n + sum(b.numel() * b.element_size() for b in self.buffers.values()) + 4096
 
 
@@ -159,13 +166,27 @@ def wait_ready(item: StepRecord | FullState) -> None:
 def encode_steps(records: list[StepRecord], *, max_density: float = 0.5, extra_meta: dict | None = None
                  ) -> list:
     """Encode a batch of step records into container buffers (sparsifying dense gradients that are mostly 0)."""
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
     steps_meta = []
+    dense_verdict: list | None = None   # per parameter: the batch's first packed record stayed dense
     for rec in records:
         wait_ready(rec)
         p = f"s{rec.step}"
-        grads_meta = []
-        for i, g in enumerate(rec.grads):
+        packed = rec.packed
+        if packed is not None and max_density > 0:
+            if dense_verdict is None:
+                # the sparsity test is taken on the batch's first packed record and holds for the batch: a
+                # parameter whose gradient is dense there is stored dense in every record of the batch (a wrong
+                # guess costs bytes, never exactness), so a dense batch costs no pass per tensor per step
+                dense_verdict = [g is None or g.sparsified(max_density) is g for g in rec.grads]
+            if not all(dense_verdict):
+                packed = None
+        if packed is not None:
+            tensors[f"{p}/G"] = packed.packed(p)   # one payload; stored as the separate tensors below would be
+            grads_meta = [{"shape": list(g.shape), "sparse": False} for g in rec.grads]
+        else:
+            grads_meta = []
+        for i, g in enumerate(rec.grads if packed is None else ()):
             if g is None:
                 grads_meta.append(None)
                 continue
