@@ -292,6 +292,10 @@ class CheckpointConfig:
     #: records a full every k steps instead (the lost-work bound becomes k steps; see docs/policy.md,
     #: "Overhead budget"). 0: no budget, every step recorded
     overhead_budget: float = 0.05
+    #: runtime="ray": the capture's per-step gradient buffers live in memory shared with the node's persistence
+    #: worker, which copies them into the object store itself (the training process makes no second copy; see
+    #: ray_ckpt.runtime.shared). Falls back to handing the bytes over where the worker cannot map that memory
+    shared_handoff: bool = True
 
     def __post_init__(self):
         if self.policy not in ("adaptive", "fixed"):

@@ -207,20 +207,26 @@ def test_topk_diff_bytes_are_a_small_fraction(tmp_path):
 
 
 def test_recycled_capture_buffers_keep_every_step_exact(tmp_path):
-    """The dense gradient copies go into recycled host buffers (HostPool): a buffer is reused only after its step
-    was written, so every step still restores bit for bit while the pool is hit."""
+    """The dense gradient copies go into recycled host buffers: one buffer per step holding every gradient (the
+    capture's PackedPool, steps 1-20), or one per gradient (HostPool, the general path, steps 21-40); a buffer is
+    reused only after its step was written, so every step still restores bit for bit while the pools are hit."""
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     uri = str(tmp_path / "ckpt")
     live = {0: T.snapshot(model, opt)}
     with ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, batch_steps=2) as ck:
+        packed = ck._capture._packed_pool
+        assert packed is not None
         for s in range(40):
+            if s == 20:
+                ck._capture._packed_pool = None   # the general path from here on
             T.train_step("mlp", model, opt, None, s)
             live[s + 1] = T.snapshot(model, opt)
             if s % 5 == 4:
                 ck.flush()    # written: their buffers go back to the pool before the next steps take some
+        assert packed.reused > 0 and packed.allocated < 20
         pool = ck._capture._copy.pool
-        assert pool.reused > 0 and pool.allocated < 40 * len(list(model.parameters()))
+        assert pool.reused > 0 and pool.allocated < 20 * len(list(model.parameters()))
     for s in range(41):
         got, m2, o2, _ = _restore(uri, "mlp", "adamw", s, sched=False)
         assert got == s

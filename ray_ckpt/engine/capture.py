@@ -53,6 +53,10 @@ class Sink(Protocol):
     O(1)): ``delegated`` — the persistence tier materializes the policy's fulls itself (the state tier's
     replica), so the trainer takes none; ``wanted`` — take a full at the next step whatever the policy says
     (a gap in the lineage, a lost or diverged replica). Without the method: (False, False).
+
+    And it may provide the memory of the capture's per-step gradient buffers with ``host_memory(nbytes) ->
+    (zeroed uint8 CPU tensor, handle) | None`` (training thread; :class:`PackedPool`): the Ray runtime's shared
+    memory, handed to its worker without a copy.
     """
 
     def submit(self, item: StepRecord | FullState, *, close_batch: bool = False) -> None: ...
@@ -109,12 +113,15 @@ class PackedGrads:
     ``torch._foreach_copy_``, the encoder hands the whole buffer over as one payload (:class:`ray_ckpt.format.
     container.Packed`) and the Ray runtime as one array — no work per tensor after the copy. The views, the
     :class:`GradEntry` objects and the encoder's description are built once per buffer and reused with it.
+
+    ``handle``: where the buffer lives when a sink provided the memory (the Ray runtime's shared memory, which the
+    node's worker reads without a copy in this process: :mod:`ray_ckpt.runtime.shared`), else None.
     """
 
-    __slots__ = ("flat", "array", "views", "entries", "nbytes", "_items")
+    __slots__ = ("flat", "array", "views", "entries", "nbytes", "handle", "_items")
 
-    def __init__(self, layout: "PackedLayout", flat: torch.Tensor):
-        self.flat, self.nbytes = flat, layout.nbytes
+    def __init__(self, layout: "PackedLayout", flat: torch.Tensor, handle: Any = None):
+        self.flat, self.nbytes, self.handle = flat, layout.nbytes, handle
         self.array = flat.numpy()        # the same memory, as the encoder hands it over
         self.views = [flat[o:o + n].view(dt).view(shape) for shape, dt, o, n in layout.items]
         self.entries = [GradEntry(shape, v) for (shape, _, _, _), v in zip(layout.items, self.views)]
@@ -143,10 +150,11 @@ class PackedLayout:
 class PackedPool:
     """Recycled :class:`PackedGrads` buffers of one layout (training thread takes, a background thread gives back,
     as :class:`HostPool`). At most ``limit.max_bytes`` of free buffers are kept (``limit``: the capture's
-    :class:`HostPool`, whose bound the Checkpointer sets)."""
+    :class:`HostPool`, whose bound the Checkpointer sets). ``allocate(nbytes) -> (zeroed uint8 tensor, handle) |
+    None`` provides the memory of a new buffer (a sink's shared memory); None, or no ``allocate``: heap memory."""
 
-    def __init__(self, layout: PackedLayout, limit: Any = None):
-        self.layout = layout
+    def __init__(self, layout: PackedLayout, limit: Any = None, allocate: Callable | None = None):
+        self.layout, self.allocate = layout, allocate
         self._limit = limit if limit is not None else HostPool()   # an object whose max_bytes bounds the free list
         self._free: list = []
         self._lock = threading.Lock()
@@ -159,6 +167,9 @@ class PackedPool:
                 self.reused += 1
                 return self._free.pop()
             self.allocated += 1
+        got = self.allocate(self.layout.nbytes) if self.allocate is not None else None
+        if got is not None:
+            return PackedGrads(self.layout, *got)
         # zeroed: the padding between tensors is part of the checksummed object (the copies never write it)
         return PackedGrads(self.layout, torch.zeros(self.layout.nbytes, dtype=torch.uint8))
 

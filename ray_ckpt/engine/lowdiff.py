@@ -39,7 +39,8 @@ class LowDiffCapture(CaptureBase):
         self._packed_pool = None
         if self.params and all(type(local(p)) is type(p) and p.device.type == "cpu" and p.layout == torch.strided
                                and p.dtype in _PACKABLE for p in self.params):
-            self._packed_pool = PackedPool(PackedLayout(self.params), limit=self._copy.pool)
+            self._packed_pool = PackedPool(PackedLayout(self.params), limit=self._copy.pool,
+                                           allocate=getattr(self.sink, "host_memory", None))
 
     def _take_packed(self) -> bool:
         """The fast path of the pre-hook: every gradient present, dense, on the CPU, and no compression hook

@@ -49,6 +49,7 @@ from ray_ckpt.policy.budget import choose_durable
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.shared import SharedArena, SharedMemoryUnavailable
 from ray_ckpt.runtime.worker import get_or_create_worker
 
 log = logging.getLogger("ray_ckpt")
@@ -71,9 +72,10 @@ _BANDWIDTH_S = 2.0      # how often the sender reads the node worker's write fig
 _SMALL_BUFFER = 64 << 10
 
 
-def _coalesce(bufs: list) -> list:
+def _coalesce(bufs: list, shared: dict | None = None) -> list:
     """The hand-off arrays of one encoded container: its first buffer (prefix and header, kept apart so that the
-    decoder can read the tensors from the parts), then the data buffers with each run of small ones joined."""
+    decoder can read the tensors from the parts), then the data buffers with each run of small ones joined.
+    ``shared``: ``{id(array): descriptor}`` of buffers in shared memory, handed over as their descriptor."""
     out = [np.frombuffer(memoryview(bufs[0]).cast("B"), dtype=np.uint8)]
     run: list = []
 
@@ -84,6 +86,10 @@ def _coalesce(bufs: list) -> list:
             run.clear()
 
     for b in bufs[1:]:
+        if shared and id(b) in shared:
+            close_run()
+            out.append(shared[id(b)])
+            continue
         mv = memoryview(b).cast("B")
         if mv.nbytes < _SMALL_BUFFER:
             run.append(mv)
@@ -100,6 +106,7 @@ class _Chunk:
     arrays: list
     size: int           # bytes of captured state it keeps alive (counted in the sink's budget)
     records: list       # the captured records whose buffers ``arrays`` views: recycled once the chunk is safe
+    plain: list | None = None   # ``arrays`` with the bytes of its shared-memory descriptors (the fallback)
 
 
 class RaySink(BoundedSink):
@@ -148,11 +155,25 @@ class RaySink(BoundedSink):
         self.handoff_seconds = 0.0    # sender thread: encode + hand-off
         self.sender_cpu_seconds = 0.0
         self.capture = None           #: the training loop's capture (set by the Checkpointer): step times
+        #: the capture's gradient buffers in memory shared with the node worker (None: not available here)
+        self.arena: SharedArena | None = None
+        if config.shared_handoff:
+            try:
+                self.arena = SharedArena(config.max_pending_bytes)
+            except (OSError, SharedMemoryUnavailable) as e:
+                log.info("ray_ckpt: no shared-memory hand-off (%s): the sender hands the bytes over", e)
+        self.shared_chunks = 0        # chunks handed over by descriptor
         self._metrics_t = 0.0
         self._metrics = _metrics.CounterDeltas({"run": run})
         self._thread.start()
 
     # -- training thread ----------------------------------------------------------------------------------------
+    def host_memory(self, nbytes: int):
+        """Memory for one of the capture's gradient buffers (training thread): ``(tensor, descriptor)`` in the
+        shared arena, or None (heap memory; the bytes are then handed over)."""
+        arena = self.arena
+        return arena.allocate(nbytes) if arena is not None else None
+
     def full_control(self) -> tuple[bool, bool]:
         """``(delegated, wanted)``, see :class:`ray_ckpt.engine.capture.Sink`. Training thread, O(1)."""
         c = self._control
@@ -182,6 +203,7 @@ class RaySink(BoundedSink):
         """The node worker's and the replica's counters, and which steps restore from which tier (the
         coordinator's ``restorable``). Training thread; one actor call each."""
         out = {"actor_calls": self.actor_calls, "chunks_sent": self.chunks_sent,
+               "shared_chunks": self.shared_chunks,
                "resent_chunks": self.resent_chunks, "unsafe_chunks": len(self._unsafe),
                "handoff_seconds": self.handoff_seconds, "sender_cpu_seconds": self.sender_cpu_seconds,
                "delegated_fulls": bool(self.replica_enabled and self._control["delegate"]),
@@ -324,8 +346,15 @@ class RaySink(BoundedSink):
         m = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
                      object=object_key(name), nbytes=n, crc32=crc, crc_alg=alg, strategy=self.impl.name,
                      info={**self.info, **info})
-        arrays = _coalesce(bufs)
+        shared = None
+        if not full and self.arena is not None:
+            shared = {id(r.packed.array): r.packed.handle for r, _ in items
+                      if getattr(r, "packed", None) is not None and r.packed.handle is not None}
+        arrays = _coalesce(bufs, shared)
         c = _Chunk(m, arrays, sum(s for _, s in items), [r for r, _ in items])
+        if shared:
+            c.plain = _coalesce(bufs)
+            self.shared_chunks += 1
         self._unsafe[m.name] = c
         self._send(c)
         self.chunks_sent += 1
@@ -357,8 +386,18 @@ class RaySink(BoundedSink):
             self._complete(*self._inflight.popleft())
 
     def _send_sync(self, c: _Chunk) -> None:
-        self._answered(self._call(lambda w: w.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps),
-                                  f"hand-off of {c.manifest.name}"))
+        def call():
+            return self._call(lambda w: w.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps),
+                              f"hand-off of {c.manifest.name}")
+        try:
+            reply = call()
+        except ray.exceptions.RayTaskError as e:
+            if c.plain is None or not isinstance(getattr(e, "cause", None), SharedMemoryUnavailable):
+                raise
+            self._no_shared(e.cause)
+            c.arrays, c.plain = c.plain, None
+            reply = call()
+        self._answered(reply)
 
     def _answered(self, reply: dict) -> None:
         self._poll_t = time.monotonic()   # the answer says what became safe: no poll while hand-offs are frequent
@@ -369,6 +408,13 @@ class RaySink(BoundedSink):
         incarnation's answer then brings the resend of every unsafe chunk)."""
         try:
             reply = ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            if c.plain is None or not isinstance(getattr(e, "cause", None), SharedMemoryUnavailable):
+                raise
+            self._no_shared(e.cause)
+            if self._unsafe.get(c.manifest.name) is c:   # (its arrays now carry the bytes)
+                self._send_sync(c)
+            return
         except _RETRYABLE as e:
             if self._unsafe.get(c.manifest.name) is not c:
                 return   # secured meanwhile (an answer to another call said so)
@@ -377,6 +423,18 @@ class RaySink(BoundedSink):
             self._send_sync(c)
             return
         self._answered(reply)
+
+    def _no_shared(self, why) -> None:
+        """The node worker cannot map this process's shared memory: from now on every chunk carries its bytes
+        (those handed over already are resent with them). Sender thread."""
+        if self.arena is not None:
+            log.warning("ray_ckpt: the persistence worker cannot read this process's shared memory (%s); handing "
+                        "the bytes over instead", why)
+            self.arena.close()
+            self.arena = None
+        for u in self._unsafe.values():
+            if u.plain is not None:
+                u.arrays, u.plain = u.plain, None
 
     def _drain_inflight(self) -> None:
         while self._inflight:
@@ -408,7 +466,7 @@ class RaySink(BoundedSink):
         for name in reply["safe"]:
             c = self._unsafe.pop(name, None)
             if c is not None:
-                c.arrays = []
+                c.arrays, c.plain = [], None
                 rec_fmt.recycle(c.records)
                 self._release(c.size)
         if reply["incarnation"] in self._retired:

@@ -51,7 +51,7 @@ from ray_ckpt.format import checksum, segments
 from ray_ckpt.lineage import Manifest, diff_name, object_key
 from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.runtime import metrics as _metrics
-from ray_ckpt.runtime import naming
+from ray_ckpt.runtime import naming, shared
 from ray_ckpt.runtime.buffers import as_buffers
 from ray_ckpt.runtime.drain import draining_nodes
 from ray_ckpt.storage.retry import RetryPolicy
@@ -218,7 +218,7 @@ class PersistenceWorker:
 
         Returns ``{"node": node id, "incarnation": id, "safe": [chunk names safe since the last answer]}``."""
         m = Manifest.from_json(manifest_json)
-        bufs = as_buffers(buffers)
+        bufs = shared.resolve(as_buffers(buffers))   # the trainer's shared memory, read in place (copied by the put)
         nbytes = sum(memoryview(b).nbytes for b in bufs)
         if nbytes != m.nbytes:
             raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
