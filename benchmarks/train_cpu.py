@@ -154,6 +154,8 @@ def _child(cell: dict) -> dict:
                threads_per_step_s={k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1])
                                    if abs(v) >= 1e-6},
                steps=s1["step"], bytes_per_step=(s1["bytes_written"] - s0["bytes_written"]) / ck_steps,
+               chunks=(s1.get("runtime") or {}).get("chunks_sent"),
+               shared_chunks=(s1.get("runtime") or {}).get("shared_chunks"),   # handed over by descriptor
                loadavg=os.getloadavg())
     return out
 
