@@ -57,9 +57,10 @@ def _train(net, opt, data, *, rank, start, config, kill=None):
     return step
 
 
-def _final(out, rank, start, restored, step, data, model, opt, restore_s=0.0) -> None:
+def _final(out, rank, start, restored, step, data, model, opt, restore_s=0.0, startup=None) -> None:
     from tests import _training as T
     torch.save({"rank": rank, "start": start, "restored": restored, "step": step, "restore_s": restore_s,
+                "startup": dict(startup or {}),
                 "epoch": (data.epoch, data.position), "state": T.snapshot(model, opt), "rng": torch.get_rng_state()},
                os.path.join(out, f"final-{rank}-{time.time_ns()}.pt"))
 
@@ -88,7 +89,7 @@ def epoch_loop(config: dict) -> None:
     step = _train(net, opt, data, rank=rank, start=session.start_step, config=config, kill=_kill_once)
     session.close()
     _final(config["out"], rank, session.start_step, session.restored, step, data, model, opt,
-           session.restore_seconds)
+           session.restore_seconds, session.startup)
 
 
 def reference_worker(rank: int, world: int, port: int, configs: list) -> None:

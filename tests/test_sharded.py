@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ray_ckpt.engine import sharded
 from ray_ckpt.storage import open_storage
@@ -25,15 +24,15 @@ def _ls(path, capsys) -> dict:
 @pytest.mark.procs
 def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
-    mp.spawn(W.train_and_restore, args=(2, T.free_port(), uri, out), nprocs=2, join=True)
+    T.spawn(W.train_and_restore, args=(2, T.free_port(), uri, out), nprocs=2)
     storage = open_storage(uri)
     assert sharded.saved_worlds(storage) == [2]
     assert storage.list("shards/w00002/r00001/manifests/")          # rank 1 wrote its own lineage
     listed = _ls(uri, capsys)["sharded"]
     assert [(w["world"], w["latest"], [r["head"] for r in w["ranks"]]) for w in listed] == [(2, W.STEPS, [W.STEPS] * 2)]
     # reshard: 2 -> 1 and 2 -> 3 (TinyGPT's 32-wide tensors split 11/11/10)
-    mp.spawn(W.restore_at_world, args=(1, T.free_port(), uri, out, [W.STEPS, 6, 13]), nprocs=1, join=True)
-    mp.spawn(W.restore_at_world, args=(3, T.free_port(), uri, out, [W.STEPS, 5]), nprocs=3, join=True)
+    T.spawn(W.restore_at_world, args=(1, T.free_port(), uri, out, [W.STEPS, 6, 13]), nprocs=1)
+    T.spawn(W.restore_at_world, args=(3, T.free_port(), uri, out, [W.STEPS, 5]), nprocs=3)
 
     # rank 1 never committed its newest diff (it crashed first): that step is not recoverable for the group
     lost = tmp_path / "lost"
@@ -45,7 +44,7 @@ def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     expect = int(newest.rsplit("-", 2)[-2]) - 1   # the step before the deleted diff's first step
     assert expect < W.STEPS
     assert _ls(str(lost), capsys)["sharded"][0]["latest"] == expect     # ray-ckpt ls says so too
-    mp.spawn(W.missing_shard, args=(2, T.free_port(), str(lost), out, expect), nprocs=2, join=True)
+    T.spawn(W.missing_shard, args=(2, T.free_port(), str(lost), out, expect), nprocs=2)
 
     # rank 1's newest diff object is corrupt (its manifest is there): restores with fallback agree on the step
     # before it on both ranks (Ray Train's attach does this)
@@ -56,11 +55,11 @@ def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     data = bytearray(s3.read(obj))
     data[len(data) // 2] ^= 0xFF
     s3.write(obj, bytes(data))
-    mp.spawn(W.corrupt_shard_agreement, args=(2, T.free_port(), str(bad), out, expect), nprocs=2, join=True)
+    T.spawn(W.corrupt_shard_agreement, args=(2, T.free_port(), str(bad), out, expect), nprocs=2)
 
 
 def test_fsdp2_unsupported_combinations_are_refused_before_writing(tmp_path):
-    mp.spawn(W.refused, args=(1, T.free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=1, join=True)
+    T.spawn(W.refused, args=(1, T.free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=1)
 
 
 def test_reshard_reads_only_the_saved_shards_that_overlap():

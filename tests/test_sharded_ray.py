@@ -11,7 +11,6 @@ import uuid
 import pytest
 import ray
 import torch
-import torch.multiprocessing as mp
 
 import ray_ckpt
 
@@ -27,8 +26,7 @@ pytestmark = pytest.mark.ray
 def test_fsdp2_shard_runs_restore_from_their_replicas(tmp_path, ray_cluster):  # noqa: F811
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
     run = f"fsdp-ray-{uuid.uuid4().hex[:6]}"
-    mp.spawn(W.ray_train_and_restore, args=(2, T.free_port(), uri, out, ray_cluster.address, run), nprocs=2,
-             join=True)
+    T.spawn(W.ray_train_and_restore, args=(2, T.free_port(), uri, out, ray_cluster.address, run), nprocs=2)
     # one run per shard: its coordinator and its replica, which runs on the peer of the trainer's node
     me = ray.get_runtime_context().get_node_id()
     for rank in range(2):
@@ -38,8 +36,7 @@ def test_fsdp2_shard_runs_restore_from_their_replicas(tmp_path, ray_cluster):  #
         assert ray.get(replica.ping.remote()) != me
     assert sharded.saved_worlds(open_storage(uri)) == [2]
     # 2 -> 1: both saved shards come from their replicas, resharded
-    mp.spawn(W.ray_restore_at_world, args=(1, T.free_port(), uri, out, ray_cluster.address, run), nprocs=1,
-             join=True)
+    T.spawn(W.ray_restore_at_world, args=(1, T.free_port(), uri, out, ray_cluster.address, run), nprocs=1)
     # consolidated in this process (no process group) into the unsharded model, through the shard runs
     _consolidate_through_the_shard_runs(uri, out, run)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]

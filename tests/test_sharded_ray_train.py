@@ -9,7 +9,6 @@ import uuid
 import pytest
 import ray
 import torch
-import torch.multiprocessing as mp
 
 import ray_ckpt.train
 from ray_ckpt.engine import sharded
@@ -41,7 +40,7 @@ def _records(out, kind):
 def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):  # noqa: F811
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
-    mp.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), W.STEPS), nprocs=2, join=True)
+    T.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), W.STEPS), nprocs=2)
     reference = torch.load(ref_dir / "global.pt", weights_only=False)
 
     name = f"fsdp-{uuid.uuid4().hex[:6]}"
@@ -90,7 +89,7 @@ def test_fsdp2_node_removed_elastic_run_reshards_and_continues(tmp_path, ray_clu
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     steps = 40
-    mp.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), steps), nprocs=2, join=True)
+    T.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), steps), nprocs=2)
     reference = torch.load(ref_dir / "global.pt", weights_only=False)
     nodes = add_elastic_nodes(ray_cluster, "elastic_fsdp")
     out = tmp_path / "out"
