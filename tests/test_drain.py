@@ -22,6 +22,7 @@ from ray_ckpt.engine import writer as writer_mod
 from ray_ckpt.lineage import drains
 from ray_ckpt.storage import open_storage
 from tests import _training as T
+from tests._drains import coordinator as _coord, drain_gcs as _drain_gcs, log as _log, wait as _wait
 
 
 def _reference(steps: int) -> list:
@@ -34,24 +35,6 @@ def _reference(steps: int) -> list:
         T.train_step("mlp", model, opt, None, s)
         out.append(T.snapshot(model, opt))
     return out
-
-
-def _log(msg):
-    if os.environ.get("DRAIN_TEST_LOG"):
-        with open(os.environ["DRAIN_TEST_LOG"], "a") as f:
-            f.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
-
-
-def _wait(cond, timeout=60.0, what="condition"):
-    t0 = time.monotonic()
-    while True:
-        got = cond()
-        if got:
-            _log(f"{what}: {time.monotonic() - t0:.1f} s")
-            return got
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 # -- no Ray: the records and the writer's notice ----------------------------------------------------------------
@@ -196,20 +179,6 @@ def _drain_cli(cluster, node_id: str, seconds: int) -> None:
                     "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
                     "spot preemption (test)", "--deadline-remaining-seconds", str(seconds)],
                    check=True, timeout=120, capture_output=True)
-
-
-def _drain_gcs(cluster, node_id: str, seconds: float) -> None:
-    """The GCS call ``ray drain-node`` and the autoscaler make."""
-    from ray.core.generated import autoscaler_pb2
-    gcs = ray._raylet.GcsClient(address=cluster.address)
-    ok, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                             "spot preemption (test)", int((time.time() + seconds) * 1000))
-    assert ok, why
-
-
-def _coord(run):
-    from ray_ckpt.runtime import naming
-    return ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
 
 
 def _restore_latest(uri, run, ref_for):
