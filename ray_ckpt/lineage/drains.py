@@ -55,6 +55,17 @@ def read_records(storage) -> list[dict]:
     return out
 
 
+def find_open(storage, node: str, deadline_ms: int) -> dict | None:
+    """The newest record on storage of a drain of ``node`` with this deadline (0: none) that is still open
+    ("draining" or "safe"), or None. A coordinator that restarted during a drain continues that record instead
+    of writing a second one for the same drain (a drain is its node and its deadline). Any process."""
+    for rec in reversed(read_records(storage)):
+        if rec["node"] == node and int(rec.get("deadline_ms") or 0) == int(deadline_ms or 0) \
+                and rec.get("status") in ("draining", "safe"):
+            return rec
+    return None
+
+
 def ranges_text(ranges) -> str:
     """``[[1, 4], [7, 7]]`` as ``1..4, 7``; ``none`` when empty."""
     if not ranges:

@@ -567,6 +567,12 @@ class Coordinator:
                 self._write_drain(rec)
         for node in new:
             deadline = self._draining[node]
+            prior = None if node in self.drains else drain_records.find_open(self.storage, node, deadline)
+            if prior is not None:   # this coordinator restarted during the drain: its record goes on
+                self.drains[node] = prior
+                log.info("ray_ckpt coordinator: run %r: node %s is still draining: continuing its drain record",
+                         self.run, node[:12])
+                continue
             self.drains[node] = rec = {"node": node, "noticed_ms": now_ms, "deadline_ms": deadline,
                                        "generation": self._last_generation, "status": "draining",
                                        "held": [], "durable": [], "peer": [], "unsafe": []}
