@@ -67,7 +67,7 @@ def test_a_coordinator_restarted_during_a_drain_continues_its_record(tmp_path, m
 
     def fresh():   # what a (re)started coordinator holds of the drains before the first poll
         c = object.__new__(coord_mod.Coordinator)
-        c.run, c.storage, c.drains, c._draining, c._last_generation = "r", storage, {}, {}, 1
+        c.run, c.storage, c.drains, c._draining, c._last_generation, c.entries = "r", storage, {}, {}, 1, {}
         c._alive_nodes = lambda max_age=0.0: {node}
         c._move_replica = c.drain_progress = lambda: False
         return c

@@ -10,7 +10,9 @@ plain JSON::
      "held": [[first, last], ...],      steps the node held that were not durable when it was noticed or after
      "durable": [[first, last], ...],   of those: durable on storage
      "peer": [[first, last], ...],      not durable, held on a node that stays (the memory tier restores them)
-     "unsafe": [[first, last], ...]}    neither (only the draining node held them; lost once it is gone)
+     "unsafe": [[first, last], ...],    neither (only the draining node held them; lost once it is gone)
+     "durable_before": <step>}          the newest step of the generation durable at the notice (what the node
+                                        received past it counts as held, even if written before it was seen)
 
 Pure (no Ray, no torch): any process.
 """
