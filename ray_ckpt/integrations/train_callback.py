@@ -6,7 +6,8 @@ Ray Train's developer API ``ControllerCallback``. Hooks used, and where they run
 =========================================================  ====================================================
 ``ControllerCallback.after_controller_start``              controller actor: create the run's coordinator
 ``ControllerCallback.before_controller_execute_failure_decision``  controller: record the failure, persist the
-                                                           replicas of objects whose node was lost
+                                                           replicas of objects whose node was lost (in a
+                                                           thread: the controller's loop goes on)
 ``ControllerCallback.before_controller_execute_resize_decision``   controller: record the resize (elastic)
 ``ControllerCallback.after_controller_finish``             controller: flush every persistence worker, then
                                                            (unless ``keep_runtime``) stop the run's actors
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
@@ -99,12 +101,23 @@ class RayCkptCallback(ControllerCallback):
             return
         try:
             coord.record_failure.remote({"decision": str(failure_decision), "failures": self.failures})
+        except Exception as e:  # noqa: BLE001 - never break Ray Train's failure handling
+            log.warning("ray_ckpt: could not record the failure: %s", e)
+        # the writes take as long as the storage does (a storage outage: minutes): never in the controller's loop,
+        # which must restart the group meanwhile (at a preemption's deadline, the group is ended only after this)
+        threading.Thread(target=self._persist_orphans, args=(coord,), daemon=True,
+                         name="ray_ckpt-persist-orphans").start()
+
+    def _persist_orphans(self, coord) -> None:
+        """Controller actor, a thread of its own: the objects only one node holds are written (see
+        :func:`persist_orphans`), for the run and each shard run."""
+        try:
             persist_orphans(self.run, coord)
             for shard in _shard_runs(self.run):   # FSDP2 with runtime="ray": each shard lineage's run
                 shard_coord = ray.get_actor(naming.coordinator_name(shard), namespace=naming.NAMESPACE)
                 persist_orphans(shard, shard_coord)
-        except Exception as e:  # noqa: BLE001 - never break Ray Train's failure handling
-            log.warning("ray_ckpt: could not record the failure: %s", e)
+        except Exception as e:  # noqa: BLE001
+            log.warning("ray_ckpt: could not persist the objects held by one node only after a failure: %s", e)
 
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
         coord = self._coord()

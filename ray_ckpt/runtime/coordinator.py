@@ -567,9 +567,21 @@ class Coordinator:
                 self._write_drain(rec)
         for node in new:
             deadline = self._draining[node]
+            prior = None if node in self.drains else drain_records.find_open(self.storage, node, deadline)
+            if prior is not None:   # this coordinator restarted during the drain: its record goes on
+                self.drains[node] = prior
+                log.info("ray_ckpt coordinator: run %r: node %s is still draining: continuing its drain record",
+                         self.run, node[:12])
+                continue
+            gen = self._last_generation
             self.drains[node] = rec = {"node": node, "noticed_ms": now_ms, "deadline_ms": deadline,
-                                       "generation": self._last_generation, "status": "draining",
-                                       "held": [], "durable": [], "peer": [], "unsafe": []}
+                                       "generation": gen, "status": "draining",
+                                       "held": [], "durable": [], "peer": [], "unsafe": [],
+                                       # the newest step durable at the notice: what the node receives past it
+                                       # counts as held there even when it is written before the next poll
+                                       "durable_before": max((e.manifest.last_step for e in self.entries.values()
+                                                              if e.durable and e.manifest.generation == gen),
+                                                             default=-1)}
             log.warning("ray_ckpt coordinator: run %r: node %s is draining (%s): making the steps it holds safe on "
                         "the nodes that stay", self.run, node[:12],
                         f"deadline in {deadline / 1000.0 - now_ms / 1000.0:.1f} s" if deadline else "no deadline")
@@ -625,9 +637,10 @@ class Coordinator:
                 continue
             gen = rec["generation"]
             # what it holds, and (once it is gone, the last reports before that included) what it received
+            since = rec.get("durable_before", float("inf"))   # (a record of an older coordinator: none)
             held = _union([], [(e.manifest.first_step, e.manifest.last_step) for e in self.entries.values()
-                               if (node in e.holders or e.origin == node) and not e.durable
-                               and e.manifest.generation == gen])
+                               if (node in e.holders or e.origin == node) and e.manifest.generation == gen
+                               and (not e.durable or e.manifest.first_step > since)])
             held = _union(rec["held"], held)
             floor = self._durable_floor(gen)   # durable_diffs="fulls": a durable full covers the steps before it
             if floor is not None:
