@@ -429,7 +429,7 @@ def cmd_lease(storage, args) -> int:
         print(f"{storage.describe()} is held by {describe(rec)}")
     if args.release and rec is not None:
         storage.delete(LEASE_KEY)
-        print(f"released: the next writer may attach (if that job still runs, it stops at its next commit)",
+        print("released: the next writer may attach (if that job still runs, it stops at its next commit)",
               file=sys.stderr)
     return 0
 
