@@ -310,13 +310,13 @@ class Cluster:
         self.c.shutdown()
 
 
-class Injector(threading.Thread):
+class Injector:
     """Fires ``schedule`` at one arm's run: fault i when the run has stepped ``gap_s`` seconds since its first
     step after fault i-1 (since its first step for i = 0); brings replacement nodes in ``rejoin_s`` after a loss;
-    samples the run's storage for the bytes written. Driver thread."""
+    samples the run's storage for the bytes written. Driver, main thread (Ray's ``Cluster.add_node`` installs
+    signal handlers: it works in the main thread only)."""
 
     def __init__(self, cluster: Cluster, out: str, schedule: list, storage: list, a, log):
-        super().__init__(daemon=True, name="goodput-injector")
         self.log = log
         self.cluster, self.out, self.schedule, self.storage, self.a = cluster, out, schedule, storage, a
         self.stop_evt = threading.Event()
@@ -435,12 +435,25 @@ def fit_arm(cluster: Cluster, tmp: str, arm: str, seed: int, schedule: list, a, 
                              failure_config=FailureConfig(max_failures=4 * len(schedule) + 2),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
     inj = Injector(cluster, out, schedule, [os.path.join(storage_path, name)], a, cluster.log)
-    inj.start()
+    box: dict = {}
+
+    def fit() -> None:   # Ray Train's fit() runs in a thread (it supports that), the faults in the main thread
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the main thread
+            box["exc"] = e
+        finally:
+            inj.stop_evt.set()
+
     t0 = time.time()
-    result = trainer.fit()
+    th = threading.Thread(target=fit, daemon=True, name="goodput-fit")
+    th.start()
+    inj.run()
+    th.join()
     fit_s = time.time() - t0
-    inj.stop_evt.set()
-    inj.join(timeout=120)
+    if "exc" in box:
+        raise box["exc"]
+    result = box["result"]
     inj._sample_storage()
     cluster.top_up()
     rank0 = _read_jsonl(os.path.join(out, "rank0.jsonl"))
@@ -532,6 +545,10 @@ def summarize(runs: list[dict]) -> dict:
                 by_kind[k] = {ph: spread([x[ph] for x in xs]) for ph in
                               ("steps_lost", "detection_s", "restart_s", "restore_s", "first_step_s", "recovery_s")}
         cell["by_kind"] = by_kind
+        if arm == "ray_ckpt":   # ray_ckpt's own share of "restore": attach's phases after each restart
+            phases = [x["attach_phases"] for x in rec if x.get("attach_phases")]
+            cell["attach_after_restart_s"] = {k: spread([p.get(k) for p in phases]) for k in
+                                              ("total", "restore", "checkpointer.first_full", "rank_loop")}
         if arm == "native":
             cell["every"] = [r["every"] for r in rs]
             cell["save_s"] = spread([x["c"] for r in rs for x in r.get("saves", []) if not x["jit"]])
@@ -562,11 +579,14 @@ def markdown(result: dict) -> str:
              "| arm | ETTR | steps lost / failure | recovery s / failure | overhead / step | durable bytes / step "
              "| final state bitwise = ref |", "|---|---:|---:|---:|---:|---:|---|"]
     for arm, c in s.items():
-        bw = c["bitwise"]
+        bw = [b for b in c["bitwise"] if b is not None]
+        ov, by = c["overhead"]["mean"], c["durable_bytes_per_step"]["mean"]
+        if arm == "ref":   # the reference: no failure, no checkpoint (its bytes are the native arm's calibration)
+            lines.append(f"| ref | 1 (by definition; wall {_pm(c['wall_s'], '.1f')} s) | – | – | – | – | – |")
+            continue
         lines.append(f"| {arm} | {_pm(c['ettr'])} | {_pm(c['steps_lost'], '.1f')} | {_pm(c['recovery_s'], '.1f')} | "
-                     f"{report.pct(c['overhead']['mean']) if c['overhead']['mean'] is not None else '–'} | "
-                     f"{report.nbytes(c['durable_bytes_per_step']['mean']) if c['durable_bytes_per_step']['mean'] else '–'}"
-                     f" | {sum(1 for b in bw if b)}/{len(bw)} |")
+                     f"{report.pct(None if ov is None else 100 * ov)} | {report.nbytes(by) if by else '–'} | "
+                     f"{sum(1 for b in bw if b)}/{len(bw)} |")
     nat = s.get("native")
     if nat:
         lines += ["", f"Native arm: a checkpoint every N = {nat['every']} steps (Young/Daly, per seed) from save "
@@ -574,6 +594,11 @@ def markdown(result: dict) -> str:
                   f"training loop's blocking time of torch.save + report) and the schedule's MTBF "
                   f"{[round(x, 2) for x in result['calibration']['mtbf_s']]} s; in the run a save took "
                   f"{_pm(nat['save_s'])} s, a `get_preemption_info()` {_pm(nat['preemption_info_s'], '.4f')} s."]
+    att = s.get("ray_ckpt", {}).get("attach_after_restart_s")
+    if att:
+        lines += ["", f"ray_ckpt's share of each restart (`attach` after a restore, s): total {_pm(att['total'], '.2f')}, "
+                  f"of which restore {_pm(att['restore'], '.2f')} and the attach full "
+                  f"{_pm(att['checkpointer.first_full'], '.2f')} (`TrainSession.startup`)."]
     lines += ["", "## Time to recover, per failure kind (s; fault -> first step after it)", "",
               "| arm | kind | n | steps lost | detection | Ray Train restart | restore | first step | total |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -648,7 +673,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=harness.RESULTS)
     ap.add_argument("--label", default="goodput")
     ap.add_argument("--tmp", default="/tmp", help="where the private Ray's temp folder goes (keep the path short)")
+    ap.add_argument("--rebuild", metavar="JSON", help="only rewrite the md and png of an earlier result")
     a = ap.parse_args(argv)
+    if a.rebuild:
+        with open(a.rebuild) as f:
+            result = json.load(f)
+        result["summary"] = summarize(result["runs"])
+        report.write_result(a.rebuild[:-len(".json")], result, markdown, plot)
+        return 0
     if a.quick:
         a.seeds, a.steps, a.faults = a.seeds[:1], 120, 3
     if "ref" not in a.arms:
