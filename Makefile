@@ -91,8 +91,9 @@ bench-startup: $(STAMP)
 # goodput under failures: ETTR of ray_ckpt vs Ray Train's own checkpointing (torch.save + report every N steps,
 # N by Young/Daly, a just-in-time report on a preemption notice) vs the failure-free run, with the same seeded
 # schedule of worker SIGKILLs, node losses and preemptions (drain + removal at the deadline); Ray Train, 2 CPU
-# workers on a 4-node ray.cluster_utils.Cluster, GPT 3.3M; 3 seeds x 6 faults (~25 min on 2 quiet cores, far more
-# on a loaded machine; python -m benchmarks.goodput --quick: 1 seed, 3 faults, ~6 min)
+# workers on a 4-node ray.cluster_utils.Cluster, GPT 3.3M, 200 steps; 3 seeds x 6 faults (46 min here at load
+# average 24-57 from other sessions, sized for ~25 min on a quieter machine; python -m benchmarks.goodput --quick:
+# 1 seed, 3 faults, 120 steps)
 bench-goodput: $(STAMP)
 	$(PY) -m benchmarks.goodput
 
