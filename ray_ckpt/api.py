@@ -356,15 +356,16 @@ def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: R
 
 def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec, runtime: Runtime):
     """``(storage, run)`` of an attach: for sharded (FSDP2) state this rank's shard lineage (see
-    :mod:`ray_ckpt.engine.sharded`) and, with ``runtime="ray"``, its run (a run per shard lineage: its
-    coordinator, node workers and replica). Training process."""
+    :mod:`ray_ckpt.engine.sharded`) and, with ``runtime="ray"``, its shard run (its lineage of the job's
+    coordinator, node workers and replicas: :mod:`ray_ckpt.runtime.lineages`). Training process."""
     storage = open_uri(uri, storage_options)
     if shard_spec is None:
         return storage, run
     if shard_spec.writes:   # HSDP: the replicas > 0 write nothing, not even the marker
         _sharded.mark_world(storage, shard_spec)
     if runtime is Runtime.RAY:
-        run = _sharded.shard_run(run, shard_spec.world, shard_spec.rank)
+        from ray_ckpt.runtime.client import shard_lineage_run
+        run = shard_lineage_run(storage, run, shard_spec.world, shard_spec.rank)
     return _sharded.shard_storage(storage, shard_spec.world, shard_spec.rank), run
 
 
