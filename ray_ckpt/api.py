@@ -72,7 +72,8 @@ class Checkpointer:
     every rank; each writes its own shard lineage below ``uri`` (``shards/w<world>/r<rank>/``) with LowDiff, and
     :func:`restore` on every rank of any world size restores the newest step all saved ranks hold, resharding
     when the world size changed (see :mod:`ray_ckpt.engine.sharded`). With ``runtime="ray"`` every shard lineage
-    is a run of its own (``run`` + ``:shard-w<world>-r<rank>``): its coordinator, node workers and replica.
+    is a shard run (``run`` + ``:shard-w<world>-r<rank>``) of the job's one coordinator, node workers and replicas
+    (O(nodes) actors, see docs/sharded.md).
     HSDP (a 2-D (replicate, shard) mesh): replica 0 of every shard writes its lineage; on the other replicas the
     Checkpointer only counts steps (``last_committed_step`` stays None). ``strategy=Amber()`` works on sharded
     state with ``runtime="local"``.

@@ -97,7 +97,40 @@ def test_shard_runs_are_found_by_their_actor_names():
              naming.worker_name(sharded.shard_run("exp", 2, 1), "node1"), naming.coordinator_name("exp"),
              naming.coordinator_name(sharded.shard_run("exp2", 2, 0))]
     assert naming.shard_runs("exp", names) == [sharded.shard_run("exp", 2, r) for r in range(2)]
-    assert sharded.shard_run(None, 2, 0) is None   # unnamed: the default run of the shard storage's URI
+    assert sharded.shard_run(None, 2, 0) is None   # unnamed: the Checkpointer names it after the root
+
+
+def test_shard_run_names_lead_to_their_job_and_lineage(tmp_path):
+    """runtime="ray": a shard run's name says its job (whose hosts serve it) and its lineage's storage below the
+    job's root, so a restarted host reopens a lineage from its name alone; an unnamed job's shard runs are named
+    after the root's default run."""
+    import pickle
+
+    from ray_ckpt.runtime import lineages, naming
+    from ray_ckpt.runtime.client import shard_lineage_run
+    from ray_ckpt.storage import open_storage
+    root = open_storage(str(tmp_path))
+    run = sharded.shard_run("exp", 3, 2)
+    assert lineages.is_shard_run(run) and not lineages.is_shard_run("exp")
+    assert lineages.job_of(run) == "exp" and lineages.job_of("exp") == "exp"
+    assert lineages.shard_of(run) == (3, 2)
+    assert lineages.shard_prefix(run) == sharded.shard_prefix(3, 2)
+    view = sharded.shard_storage(root, 3, 2)
+    assert lineages.root_storage(view, run) is root
+    assert lineages.lineage_storage(root, run).describe() == view.describe()
+    with pytest.raises(ValueError, match="must be its view"):
+        lineages.root_storage(sharded.shard_storage(root, 3, 1), run)
+    with pytest.raises(ValueError, match="not the name of a shard run"):
+        lineages.shard_of("exp")
+    assert shard_lineage_run(root, None, 2, 1) == sharded.shard_run(naming.default_run_name(root.describe()), 2, 1)
+    assert shard_lineage_run(root, "exp", 2, 1) == sharded.shard_run("exp", 2, 1)
+    # the job's hosts, and none of another job whose name starts alike
+    names = [lineages.coordinator_host_name("exp"), lineages.worker_host_name("exp", "n1"),
+             lineages.replica_host_name("exp", "n1"), lineages.coordinator_host_name("exp2"),
+             naming.coordinator_name("exp")]
+    assert lineages.host_names("exp", names) == sorted(names[:3])
+    handle = pickle.loads(pickle.dumps(lineages.LineageHandle("host", run)))
+    assert (handle.host, handle.run) == ("host", run)
 
 
 def test_attach_refuses_an_unknown_sharded_runtime_before_creating_anything():
