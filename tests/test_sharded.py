@@ -139,3 +139,24 @@ def test_attach_refuses_an_unknown_sharded_runtime_before_creating_anything():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="sharded_runtime must be 'ray' or 'local'"):
         attach(model, opt, sharded_runtime="threads")   # outside Ray Train: refused before its context is read
+
+
+def test_cli_lease_of_a_sharded_root_lists_every_rank_lineage(tmp_path, capsys):
+    """`ray-ckpt lease` on a sharded root shows the lease of each rank lineage of each saved world size (a job
+    with runtime="ray" holds one per shard run), and --release frees them all."""
+    from ray_ckpt.cli.main import main as cli_main
+    from ray_ckpt.engine.lease import Lease, read_lease
+    from ray_ckpt.storage import open_storage
+    root = open_storage(str(tmp_path))
+    spec = sharded.ShardSpec(world=2, rank=0, shapes=((4,),), dims=(0,))
+    sharded.mark_world(root, spec)
+    Lease(sharded.shard_storage(root, 2, 0), run=sharded.shard_run("exp", 2, 0)).acquire()
+    capsys.readouterr()
+    assert cli_main(["lease", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "world 2 rank 0: held by" in text and "exp:shard-w00002-r00000" in text, text
+    assert "world 2 rank 1: no writer" in text, text
+    assert cli_main(["lease", str(tmp_path), "--json", "--release"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [(s["world"], s["rank"], s["lease"] is not None) for s in got["shards"]] == [(2, 0, True), (2, 1, False)]
+    assert got["lease"] is None and read_lease(sharded.shard_storage(root, 2, 0)) is None
