@@ -39,7 +39,7 @@ from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive
 from ray_ckpt.lineage import index as _lineage_index
-from ray_ckpt.engine.lease import Lease, LeaseLost
+from ray_ckpt.engine.lease import Lease, LeaseLost, describe, read_lease
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import lineages, naming
@@ -891,17 +891,28 @@ class CoordinatorHost(lineages.LineageHost):
         return super()._lineage(run, True)   # any call may (re)open a lineage of the job
 
     def _open(self, run: str) -> Coordinator:
-        return Coordinator(run, lineages.lineage_storage(self.root, run), *self._args, hosted=True)
+        c = Coordinator(run, lineages.lineage_storage(self.root, run), *self._args, hosted=True)
+        # opened by a call that is not its attach (this host restarted, or a restore plans from it): it renews
+        # the lineage's lease only while the lease is its run's (else a restore's plan would log a lost lease)
+        rec = read_lease(c.storage) if c.lease.enabled else {"run": run}
+        if rec is None or rec.get("run") != run:
+            c.lease_lost = f"not renewed: the lease of {c.storage.describe()} is not run {run!r}'s"
+            log.info("ray_ckpt coordinator: lineage %r opened without its lease (%s)", run,
+                     "none" if rec is None else describe(rec))
+        return c
 
     def _each(self) -> list:
         return list(self._lineages.values())
 
     def open_lineage(self, run: str, storage_uri: str) -> None:
-        """Open lineage ``run`` (its lease is taken by the caller, :func:`get_or_create_coordinator`)."""
+        """Open lineage ``run`` for an attach, which has taken its lease (:func:`get_or_create_coordinator`):
+        renewed from now on."""
         c = self._lineage(run, True)
         if c.storage.describe() != storage_uri:
             raise ValueError(f"shard run {run!r} checkpoints to {c.storage.describe()}, not {storage_uri}: "
                              f"use another run name")
+        if c.lease_lost is not None and (read_lease(c.storage) or {}).get("run") == run:
+            c.lease_lost = None
 
     _tick = Coordinator._tick
 
@@ -967,8 +978,8 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
 
 
 def _shard_coordinator(run: str, storage, *, takeover: bool, args: tuple):
-    """The lineage ``run`` of its job's coordinator host, the host created (detached, on the head node) and the
-    lineage opened with its lease taken when missing. Any process connected to Ray."""
+    """The lineage ``run`` of its job's coordinator host (created detached, head node preferred, if missing),
+    opened with its lease taken. Any process connected to Ray (the training process of a rank, at attach)."""
     global _host_cls
     job = lineages.job_of(run)
     name = lineages.coordinator_host_name(job)
@@ -976,8 +987,8 @@ def _shard_coordinator(run: str, storage, *, takeover: bool, args: tuple):
         host = ray.get_actor(name, namespace=naming.NAMESPACE)
     except ValueError:
         host = None
-    if host is not None and run in ray.get(host.lineages.remote(), timeout=60):
-        return lineages.LineageHandle(host, run)
+    # the lease at every attach (shared with the run's earlier attaches): the lineage may have been opened
+    # without it (a restore planned from it, or this host restarted after the job's lease was released)
     Lease(storage, run=run).acquire(takeover=takeover)
     if host is None:
         if _host_cls is None:
