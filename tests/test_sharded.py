@@ -160,3 +160,41 @@ def test_cli_lease_of_a_sharded_root_lists_every_rank_lineage(tmp_path, capsys):
     got = json.loads(capsys.readouterr().out)
     assert [(s["world"], s["rank"], s["lease"] is not None) for s in got["shards"]] == [(2, 0, True), (2, 1, False)]
     assert got["lease"] is None and read_lease(sharded.shard_storage(root, 2, 0)) is None
+
+
+def test_lineage_host_routes_opens_and_answers_for_absent_lineages():
+    """A job's host routes each call to the lineage it names: methods that may open a lineage open it (from its
+    name: a restarted host), others answer "nothing here" or raise UnknownLineage (a ValueError); lineages of
+    another job, or names that are not shard runs, are refused."""
+    from ray_ckpt.runtime import lineages
+
+    class Lin:
+        def __init__(self, run):
+            self.run, self.calls = run, []
+
+        def submit(self, x, y=0):
+            self.calls.append((x, y))
+            return len(self.calls)
+
+    class Host(lineages.LineageHost):
+        OPENING = frozenset({"submit"})
+        ABSENT = {"inventory": list}
+
+        def __init__(self):
+            self._host_init("exp")
+
+        def _open(self, run):
+            return Lin(run)
+
+    h = Host()
+    r0, r1 = sharded.shard_run("exp", 2, 0), sharded.shard_run("exp", 2, 1)
+    assert h.lineage_call(r0, "submit", (5,), {"y": 1}) == 1 and h.lineage_call(r0, "submit", (6,)) == 2
+    assert h.lineages() == [r0] and h._lineages[r0].calls == [(5, 1), (6, 0)]
+    assert h.lineage_call(r1, "inventory") == [] and h.lineages() == [r0]    # answered, not opened
+    with pytest.raises(lineages.UnknownLineage):
+        h.lineage_call(r1, "calls")
+    with pytest.raises(lineages.UnknownLineage, match="not of job"):
+        h.lineage_call(sharded.shard_run("exp2", 2, 0), "submit", (1,))
+    with pytest.raises(ValueError, match="not the name of a shard run"):
+        h.lineage_call("exp:shard-x", "submit", (1,))
+    assert h.drop_lineage(r0) and h.lineages() == []
