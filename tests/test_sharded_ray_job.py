@@ -1,7 +1,9 @@
 """The Ray actors of a sharded job with ``runtime="ray"``: O(nodes), not O(ranks). Four FSDP2 gloo ranks, two on
 each node of the session's 2-node cluster, checkpoint through one coordinator for the job, one persistence worker
 host per node and one replica host per node that runs ranks (1 + 2 x 2 = 5 ray_ckpt actors, where a run per
-rank took 3 x 4 = 12); the consolidated restore after the run, through those actors, is bitwise."""
+rank took 3 x 4 = 12); the consolidated restore after the run, through those actors, is bitwise. The same 4
+ranks as a 2x2 HSDP mesh (long: make reliability): replica 0 of each shard (the ranks of the first node) writes
+the 2 shard lineages, the other replicas start no actor, and the consolidated restore is bitwise too."""
 from __future__ import annotations
 
 import collections
@@ -29,11 +31,11 @@ WORLD = 4
 class _Rank:
     """One FSDP2 rank in a Ray actor pinned to its node (as a Ray Train worker would be)."""
 
-    def train(self, rank: int, world: int, port: int, uri: str, out: str, run: str) -> str:
+    def train(self, rank: int, world: int, port: int, uri: str, out: str, run: str, hsdp: bool) -> str:
         os.environ["LOCAL_WORLD_SIZE"] = "2"
         T.init_dist(rank, world, port)
         try:
-            model, opt, sch = W.fsdp_model(0)
+            model, opt, sch = W.hsdp_model(0, (2, 2)) if hsdp else W.fsdp_model(0)
             ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=W.FULL_EVERY,
                                        batch_steps=W.BATCH, policy="fixed", runtime="ray", run=run)
             for s in range(STEPS):
@@ -41,8 +43,9 @@ class _Rank:
             glob = W.global_snapshot(model, opt)   # collective
             if rank == 0:
                 torch.save(glob, os.path.join(out, "global.pt"))
-            ck._capture.flush_pending()
-            ck._sink.wait_safe()
+            if ck.shard_spec.writes:   # HSDP: replica 1 of each shard writes nothing
+                ck._capture.flush_pending()
+                ck._sink.wait_safe()
             ck.close()
             T.close_dist()
         except BaseException:
@@ -51,7 +54,8 @@ class _Rank:
         return ray.get_runtime_context().get_node_id()
 
 
-def test_sharded_job_actors_are_per_node(tmp_path, ray_cluster):  # noqa: F811
+@pytest.mark.parametrize("hsdp", [False, pytest.param(True, marks=pytest.mark.long)], ids=["fsdp", "hsdp"])
+def test_sharded_job_actors_are_per_node(tmp_path, ray_cluster, hsdp):  # noqa: F811
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
     run = f"job-{uuid.uuid4().hex[:6]}"
     head = ray.get_runtime_context().get_node_id()
@@ -61,7 +65,8 @@ def test_sharded_job_actors_are_per_node(tmp_path, ray_cluster):  # noqa: F811
     port = T.free_port()
     ranks = [ray.remote(_Rank).options(num_cpus=0, **prefer_node(nodes[r // 2])).remote() for r in range(WORLD)]
     try:
-        where = ray.get([a.train.remote(r, WORLD, port, uri, out, run) for r, a in enumerate(ranks)], timeout=300)
+        where = ray.get([a.train.remote(r, WORLD, port, uri, out, run, hsdp) for r, a in enumerate(ranks)],
+                        timeout=300)
     finally:
         for a in ranks:
             ray.kill(a)
@@ -72,9 +77,11 @@ def test_sharded_job_actors_are_per_node(tmp_path, ray_cluster):  # noqa: F811
     mine = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["namespace"] == naming.NAMESPACE and a["name"].startswith(f"ray_ckpt:{run}:"))
     kinds = collections.Counter(name.split(":")[3] for name in mine)
-    assert kinds == {"coordinator": 1, "worker": 2, "replica": 2}, mine   # 1 + 2 x nodes, whatever the ranks
+    # 1 + 2 x nodes, whatever the ranks; HSDP: only the first node's ranks (replica 0) write, so one replica host
+    assert kinds == {"coordinator": 1, "worker": 2, "replica": 1 if hsdp else 2}, mine
     assert mine == lineages.host_names(run, mine)
-    shards = [sharded.shard_run(run, WORLD, r) for r in range(WORLD)]
+    world = 2 if hsdp else WORLD    # the shard lineages: one per coordinate of the sharding mesh dimension
+    shards = [sharded.shard_run(run, world, r) for r in range(world)]
     assert shard_runs(run) == shards     # the one coordinator tracks every rank's lineage
     for name in mine:
         host = ray.get_actor(name, namespace=naming.NAMESPACE)
@@ -96,7 +103,7 @@ def test_sharded_job_actors_are_per_node(tmp_path, ray_cluster):  # noqa: F811
     tier = ShardedMemoryTier(run)
     from ray_ckpt.storage import open_storage
     assert sharded.restore_consolidated(open_storage(uri), model, opt, memory=tier) == STEPS
-    assert tier.tiers["memory"] + tier.tiers["replica"] >= WORLD, tier.tiers
+    assert tier.tiers["memory"] + tier.tiers["replica"] >= world, tier.tiers
     T.assert_same(glob["model"], dict(model.state_dict()), "consolidated model")
     T.assert_same(glob["opt"], opt.state_dict()["state"], "consolidated optimizer")
 
