@@ -1,7 +1,8 @@
 """The Ray actors of a sharded job with ``runtime="ray"``: O(nodes), not O(ranks). Four FSDP2 gloo ranks, two on
 each node of the session's 2-node cluster, checkpoint through one coordinator for the job, one persistence worker
 host per node and one replica host per node that runs ranks (1 + 2 x 2 = 5 ray_ckpt actors, where a run per
-rank took 3 x 4 = 12); the consolidated restore after the run, through those actors, is bitwise. The same 4
+rank took 3 x 4 = 12); the consolidated restore after the run, through those actors (the coordinator restarted
+meanwhile: it reopens each lineage from its name), is bitwise. The same 4
 ranks as a 2x2 HSDP mesh (long: make reliability): replica 0 of each shard (the ranks of the first node) writes
 the 2 shard lineages, the other replicas start no actor, and the consolidated restore is bitwise too."""
 from __future__ import annotations
@@ -96,6 +97,9 @@ def test_sharded_job_actors_are_per_node(tmp_path, ray_cluster, hsdp):  # noqa: 
         st = ray.get(lineages.coordinator(s).status.remote())
         assert st["recoverable_step"] == STEPS and not st["gaps"], (s, st)
 
+    if not hsdp:   # the job's coordinator restarts: it holds no lineage until a call names one, which reopens it
+        ray.kill(ray.get_actor(lineages.coordinator_host_name(run), namespace=naming.NAMESPACE), no_restart=False)
+
     # restored after the run through the job's actors, consolidated in this process: bitwise
     glob = torch.load(os.path.join(out, "global.pt"), weights_only=False)
     model = T.make_model(W.KIND, 99)
@@ -106,6 +110,7 @@ def test_sharded_job_actors_are_per_node(tmp_path, ray_cluster, hsdp):  # noqa: 
     assert tier.tiers["memory"] + tier.tiers["replica"] >= world, tier.tiers
     T.assert_same(glob["model"], dict(model.state_dict()), "consolidated model")
     T.assert_same(glob["opt"], opt.state_dict()["state"], "consolidated optimizer")
+    assert shard_runs(run) == shards     # reopened from storage and the worker hosts' inventories
 
     shutdown_job(run)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]

@@ -884,6 +884,7 @@ class CoordinatorHost(lineages.LineageHost):
         self._host_init(job)
         self.root = root
         self._args = (full_every, batch_steps, keep_fulls, max_replica_lag, policy_options)
+        self._reporting = (0.0, 0)   # (when counted, workers reporting to any lineage), see lineage_call
         threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
         self._drain_watch = drain_watch.start_coordinator_watch(job)
 
@@ -903,6 +904,18 @@ class CoordinatorHost(lineages.LineageHost):
 
     def _each(self) -> list:
         return list(self._lineages.values())
+
+    def lineage_call(self, run: str, method: str, args: tuple = (), kwargs: dict | None = None):
+        """As :meth:`LineageHost.lineage_call`; an ``update`` answers the report interval that keeps the calls
+        of every lineage's workers together near ``REPORT_CALLS_PER_S`` (each lineage counts only its own
+        reporters: 2 nodes per lineage would let a 1,024-rank job make 40,000 calls a second)."""
+        out = super().lineage_call(run, method, args, kwargs)
+        if method == "update":
+            now = time.monotonic()
+            if now - self._reporting[0] > 1.0:
+                self._reporting = (now, sum(len(c._reporters) for c in self._each()))
+            out = max(out, self._reporting[1] / REPORT_CALLS_PER_S)
+        return out
 
     def open_lineage(self, run: str, storage_uri: str) -> None:
         """Open lineage ``run`` for an attach, which has taken its lease (:func:`get_or_create_coordinator`):
