@@ -106,8 +106,9 @@ def prestart(run: str, storage, *, config, lowdiff: bool, full_every: int) -> No
     if config.replica and lowdiff:
         _, created = get_or_create_replica(run, _replica_node(), storage, full_every=full_every,
                                            max_lag=config.max_replica_lag)
-        if created:
-            _prestarted.add(naming.replica_name(run))
+        if created:   # the name _place_replica looks for (a shard run's: the replica host of this node)
+            _prestarted.add(lineages.replica_host_name(lineages.job_of(run), ray.get_runtime_context().get_node_id())
+                            if lineages.is_shard_run(run) else naming.replica_name(run))
 
 
 def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts: int = 3):
