@@ -39,8 +39,8 @@ from ray_ckpt.storage.s3_options import SECRET_OPTIONS
 from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.lineage import MANIFESTS_DIR
 from ray_ckpt.lineage.layout import RUN_MARKER
-from ray_ckpt.runtime import naming
-from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
+from ray_ckpt.runtime import lineages
+from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shard_runs, shutdown_run
 
 log = logging.getLogger("ray_ckpt")
 
@@ -114,7 +114,7 @@ class RayCkptCallback(ControllerCallback):
         try:
             persist_orphans(self.run, coord)
             for shard in _shard_runs(self.run):   # FSDP2 with runtime="ray": each shard lineage's run
-                shard_coord = ray.get_actor(naming.coordinator_name(shard), namespace=naming.NAMESPACE)
+                shard_coord = lineages.coordinator(shard)
                 persist_orphans(shard, shard_coord)
         except Exception as e:  # noqa: BLE001
             log.warning("ray_ckpt: could not persist the objects held by one node only after a failure: %s", e)
@@ -127,7 +127,7 @@ class RayCkptCallback(ControllerCallback):
     def after_controller_finish(self, result) -> None:
         if self.run is None:
             return
-        runs = [self.run] + _shard_runs(self.run)   # FSDP2 with runtime="ray": a run per shard lineage too
+        runs = [self.run] + _shard_runs(self.run)   # FSDP2 with runtime="ray": a shard run per lineage too
         try:
             for run in runs:
                 flush_run(run)
@@ -138,7 +138,7 @@ class RayCkptCallback(ControllerCallback):
 
     def _coord(self):
         try:
-            return ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
+            return lineages.coordinator(self.run)
         except (ValueError, TypeError):
             return None
 
@@ -184,16 +184,19 @@ def _is_empty(storage) -> bool:
 
 
 def _shard_runs(run: str) -> list[str]:
-    """The shard runs of ``run`` with live actors (sharded FSDP2 state, runtime='ray'). Any process."""
-    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
-    return naming.shard_runs(run, names)
+    """The shard runs of job ``run`` that its coordinator host holds (sharded FSDP2 state, runtime='ray'). Any
+    process."""
+    return shard_runs(run)
 
 
 def flush_run(run: str, timeout: float = 300.0) -> None:
     """Wait until every persistence worker of ``run`` has made what it holds durable. Any process."""
-    workers = [ray.get_actor(a["name"], namespace=naming.NAMESPACE)
-               for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"].startswith(naming.worker_prefix(run))]
+    workers = []
+    for node in sorted(lineages.worker_nodes(run)):
+        try:
+            workers.append(lineages.worker(run, node))
+        except ValueError:   # gone since it was listed
+            pass
     calls = [w.flush.remote() for w in workers]
     done, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
     for c in done:
@@ -209,7 +212,7 @@ def persist_orphans(run: str, coord) -> list[str]:
     written = []
     for node, names in todo.items():
         try:
-            w = ray.get_actor(naming.worker_name(run, node), namespace=naming.NAMESPACE)
+            w = lineages.worker(run, node)
             written += ray.get(w.persist.remote(names), timeout=300)
         except Exception as e:  # noqa: BLE001
             log.warning("ray_ckpt: node %s could not persist %d objects: %s", node[:8], len(names), e)

@@ -157,7 +157,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     (:class:`~ray_ckpt.compression.ResidualState`: a dense copy per step and rank), so compression after a
     restore matches the uninterrupted run.
     ``sharded_runtime`` (FSDP2 models, where every rank checkpoints its shard): ``"ray"`` — a shard run per rank
-    (its coordinator on the head node, its node worker, its replica); ``"local"`` — each rank writes its shard
+    (its lineage of the job's one coordinator, its node's worker host, its node's replica host); ``"local"`` — each rank writes its shard
     lineage from a thread of its process, no actors per rank (cheaper with many ranks; restores from storage).
     """
     if sharded_runtime not in ("ray", "local"):   # refused before any actor or file is created
@@ -194,8 +194,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
         log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, restore_seconds)
     ck = recorder = None
     if sharded:
-        # FSDP2: every rank checkpoints its own shard lineage (with its own loop state): through a run of its own
-        # (its coordinator, its node's persistence worker, its replica) or from a thread of its process; the run
+        # FSDP2: every rank checkpoints its own shard lineage (with its own loop state): through its shard run
+        # (the job's one coordinator, its node's worker and replica hosts) or from a thread of its process; the run
         # (or, locally, the writer lease) is the experiment's, so a restarted worker group continues
         ck = Checkpointer(storage, model, optimizer, scheduler=scheduler, strategy=strategy,
                           extra_state=extra_state, scaler=scaler, start_step=start, runtime=sharded_runtime,
