@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
 .PHONY: venv demo test test-fast reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber \
-	bench-coordinator bench-scale bench-startup bench-budget clean
+	bench-coordinator bench-scale bench-startup bench-budget bench-goodput clean
 
 venv: $(STAMP)
 
@@ -87,6 +87,15 @@ bench-amber: $(STAMP)
 # Fashion-MNIST MLP; 3 fits, ~5 min here)
 bench-startup: $(STAMP)
 	$(PY) -m benchmarks.startup
+
+# goodput under failures: ETTR of ray_ckpt vs Ray Train's own checkpointing (torch.save + report every N steps,
+# N by Young/Daly, a just-in-time report on a preemption notice) vs the failure-free run, with the same seeded
+# schedule of worker SIGKILLs, node losses and preemptions (drain + removal at the deadline); Ray Train, 2 CPU
+# workers on a 4-node ray.cluster_utils.Cluster, GPT 3.3M, 200 steps; 3 seeds x 6 faults (46 min here at load
+# average 24-57 from other sessions, sized for ~25 min on a quieter machine; python -m benchmarks.goodput --quick:
+# 1 seed, 3 faults, 120 steps)
+bench-goodput: $(STAMP)
+	$(PY) -m benchmarks.goodput
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -11,7 +11,8 @@ example (``fully_shard`` per block and at the root; same seed, same batches, Ada
 in blocks of ``block_steps`` steps, the order rotating through all six permutations so that drift cancels:
 
 * **ray_ckpt**: a ``ray_ckpt.Checkpointer`` on every rank (its shard lineage, LowDiff, ``runtime="local"`` —
-  or with ``--runtime ray`` a shard run per rank on a private one-node Ray: coordinator, node worker, replica —
+  or with ``--runtime ray`` a shard run per rank on a private one-node Ray, served by the job's coordinator,
+  node worker host and replica host —
   the library's default policy), each block ending with a timed ``flush()`` (everything captured is written
   before the block's clock stops: an upper bound of the amortized cost);
 * **dcp**: ``torch.distributed.checkpoint.async_save`` of ``get_state_dict(model, optimizer)`` after every step

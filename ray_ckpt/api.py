@@ -72,7 +72,8 @@ class Checkpointer:
     every rank; each writes its own shard lineage below ``uri`` (``shards/w<world>/r<rank>/``) with LowDiff, and
     :func:`restore` on every rank of any world size restores the newest step all saved ranks hold, resharding
     when the world size changed (see :mod:`ray_ckpt.engine.sharded`). With ``runtime="ray"`` every shard lineage
-    is a run of its own (``run`` + ``:shard-w<world>-r<rank>``): its coordinator, node workers and replica.
+    is a shard run (``run`` + ``:shard-w<world>-r<rank>``) of the job's one coordinator, node workers and replicas
+    (O(nodes) actors, see docs/sharded.md).
     HSDP (a 2-D (replicate, shard) mesh): replica 0 of every shard writes its lineage; on the other replicas the
     Checkpointer only counts steps (``last_committed_step`` stays None). ``strategy=Amber()`` works on sharded
     state with ``runtime="local"``.
@@ -356,15 +357,16 @@ def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: R
 
 def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec, runtime: Runtime):
     """``(storage, run)`` of an attach: for sharded (FSDP2) state this rank's shard lineage (see
-    :mod:`ray_ckpt.engine.sharded`) and, with ``runtime="ray"``, its run (a run per shard lineage: its
-    coordinator, node workers and replica). Training process."""
+    :mod:`ray_ckpt.engine.sharded`) and, with ``runtime="ray"``, its shard run (its lineage of the job's
+    coordinator, node workers and replicas: :mod:`ray_ckpt.runtime.lineages`). Training process."""
     storage = open_uri(uri, storage_options)
     if shard_spec is None:
         return storage, run
     if shard_spec.writes:   # HSDP: the replicas > 0 write nothing, not even the marker
         _sharded.mark_world(storage, shard_spec)
     if runtime is Runtime.RAY:
-        run = _sharded.shard_run(run, shard_spec.world, shard_spec.rank)
+        from ray_ckpt.runtime.client import shard_lineage_run
+        run = shard_lineage_run(storage, run, shard_spec.world, shard_spec.rank)
     return _sharded.shard_storage(storage, shard_spec.world, shard_spec.rank), run
 
 

@@ -35,13 +35,18 @@ def _topk(net):
     return state
 
 
-def _train(net, opt, data, *, rank, start, config, kill=None):
-    """The epoch loop from ``start``; returns the step reached. ``config["progress"]``: after every step, write the
-    steps this rank completed in this attempt to ``<out>/progress-<rank>-<start>``."""
+def _train(net, opt, data, *, rank, start, config, kill=None, preempted=None):
+    """The epoch loop from ``start`` (``config["epochs"]`` epochs, default :data:`EPOCHS`); returns the step reached.
+    ``config["progress"]``: after every step, write the steps this rank completed in this attempt to
+    ``<out>/progress-<rank>-<start>`` and, once ``preempted()`` first returns a notice, that notice and the step
+    to ``<out>/notice-<rank>-<start>.json``."""
+    import json
+
     import torch.nn.functional as F
     step = start
     progress = os.path.join(config["out"], f"progress-{rank}-{start}") if config.get("progress") else None
-    for _epoch in data.epochs(EPOCHS, start_step=start):
+    noticed = False
+    for _epoch in data.epochs(config.get("epochs", EPOCHS), start_step=start):
         for x, y in data:
             if kill is not None and step == config.get("kill_at") and rank == config.get("kill_rank"):
                 kill(config["out"])
@@ -53,13 +58,19 @@ def _train(net, opt, data, *, rank, start, config, kill=None):
             if progress is not None:
                 with open(progress, "w") as f:
                     f.write(str(step))
+                notice = preempted() if preempted is not None and not noticed else None
+                if notice is not None:
+                    noticed = True
+                    with open(os.path.join(config["out"], f"notice-{rank}-{start}.json"), "w") as f:
+                        json.dump({"step": step, "notice": notice}, f)
             time.sleep(config.get("step_sleep", 0))
     return step
 
 
-def _final(out, rank, start, restored, step, data, model, opt, restore_s=0.0) -> None:
+def _final(out, rank, start, restored, step, data, model, opt, restore_s=0.0, startup=None) -> None:
     from tests import _training as T
     torch.save({"rank": rank, "start": start, "restored": restored, "step": step, "restore_s": restore_s,
+                "startup": dict(startup or {}),
                 "epoch": (data.epoch, data.position), "state": T.snapshot(model, opt), "rng": torch.get_rng_state()},
                os.path.join(out, f"final-{rank}-{time.time_ns()}.pt"))
 
@@ -75,6 +86,7 @@ def epoch_loop(config: dict) -> None:
     torch.set_num_threads(1)
     if "handoff_delay" in config:   # this worker's ray_ckpt config (the environment is the workers' own)
         os.environ["RAY_CKPT_HANDOFF_DELAY"] = str(config["handoff_delay"])
+    os.environ.update(config.get("env", {}))
     rank = ray.train.get_context().get_world_rank()
     ds = _data()
     model = _model()
@@ -84,11 +96,20 @@ def epoch_loop(config: dict) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = ray.train.torch.prepare_data_loader(DataLoader(ds, batch_size=BATCH, shuffle=True))
     data = ray_ckpt.train.ResumableLoader(loader)
-    session = ray_ckpt.train.attach(net, opt, extra_state=data, report_every=0, compression_state=topk)
-    step = _train(net, opt, data, rank=rank, start=session.start_step, config=config, kill=_kill_once)
+    storage = None
+    if config.get("gate"):   # the lineage on a storage that refuses writes while the gate file exists
+        from tests._gated_storage import GatedBackend
+        storage = GatedBackend(*config["gate"])
+    session = ray_ckpt.train.attach(net, opt, extra_state=data, report_every=0, compression_state=topk,
+                                    storage_uri=storage)
+    if config.get("progress"):
+        with open(os.path.join(config["out"], f"node-{rank}-{session.start_step}"), "w") as f:
+            f.write(ray.get_runtime_context().get_node_id())
+    step = _train(net, opt, data, rank=rank, start=session.start_step, config=config, kill=_kill_once,
+                  preempted=session.preempted)
     session.close()
     _final(config["out"], rank, session.start_step, session.restored, step, data, model, opt,
-           session.restore_seconds)
+           session.restore_seconds, session.startup)
 
 
 def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
@@ -118,16 +139,19 @@ def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
         torch.distributed.destroy_process_group()
 
 
-def fit(ckpt, name: str, config: dict, *, storage_path, full_every: int, batch_steps: int):
-    """Driver: :func:`epoch_loop` under Ray Train (2 CPU workers, one restart allowed) with ray_ckpt's callback
-    writing to ``ckpt``; the Result."""
+def fit(ckpt, name: str, config: dict, *, storage_path, full_every: int, batch_steps: int, failure_config=None,
+        label_selector=None):
+    """Driver: :func:`epoch_loop` under Ray Train (2 CPU workers; ``failure_config``, default one restart allowed;
+    ``label_selector`` as ScalingConfig takes it) with ray_ckpt's callback writing to ``ckpt``; the Result."""
     import ray_ckpt.train
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     trainer = TorchTrainer(
         epoch_loop, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=name, storage_path=str(storage_path), failure_config=FailureConfig(max_failures=1),
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1},
+                                     label_selector=label_selector),
+        run_config=RunConfig(name=name, storage_path=str(storage_path),
+                             failure_config=failure_config or FailureConfig(max_failures=1),
                              callbacks=[ray_ckpt.train.RayCkptCallback(ckpt, full_every=full_every,
                                                                        batch_steps=batch_steps)]))
     return trainer.fit()

@@ -209,10 +209,10 @@ def fsdp_loop(config: dict) -> None:
             time.sleep(config["step_sleep"])
     import ray
 
-    from ray_ckpt.runtime import naming
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    from ray_ckpt.runtime.coordinator import shard_runs
+    runs = shard_runs(session.run) if ray.is_initialized() else []
     session.close()
     g = W.global_snapshot(model, opt)
     if rank == 0:
-        torch.save({"step": steps, "world": world, "state": g, "shard_runs": naming.shard_runs(session.run, names)},
+        torch.save({"step": steps, "world": world, "state": g, "shard_runs": runs},
                    os.path.join(out, f"final-{attempt}.pt"))

@@ -25,6 +25,8 @@ def ray_cluster():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    # Ray Train's PreemptionWatcher reads the drain state every 5 s by default: the drain tests' deadlines are a few s
+    os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
     # after a node is removed, Ray 2.60's elastic policy still counts it (its view refreshes on a 20 s tick), tries
     # the old group size and gives up only after this timeout (60 s by default), then starts the smaller group;
     # groups start here in ~6 s

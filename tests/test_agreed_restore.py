@@ -7,7 +7,6 @@ import shutil
 import traceback
 
 import pytest
-import torch.multiprocessing as mp
 
 import ray_ckpt
 from ray_ckpt.api import open_uri
@@ -78,7 +77,7 @@ def test_agreement_failure_and_fresh_start(tmp_path):
     cases = [([str(a), str(b)], -1), ([str(a), str(a)], 1), ([str(empty)] * 2, -1), ([str(broken), str(a)], -1),
              ([str(bad_diff)] * 2, -1)]
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(2, T.free_port(), cases, out), nprocs=2, join=True)
+    T.spawn(_worker, args=(2, T.free_port(), cases, out), nprocs=2)
     res = list(zip(*(json.load(open(f"{out}.{r}")) for r in range(2))))   # per case: (rank 0, rank 1)
     assert not any("crash" in r for case in res for r in case), res
     agreed, bad, fresh, unresolved, fell_back = res
@@ -171,8 +170,8 @@ class _Pos:
 
 def _group(tmp_path, uri, tag, start_fresh, until, abandon_rank1=False, ef="off", world=2):
     out = str(tmp_path / tag)
-    mp.spawn(_group_worker, args=(world, T.free_port(), uri, out, start_fresh, until, abandon_rank1, ef),
-             nprocs=world, join=True)
+    T.spawn(_group_worker, args=(world, T.free_port(), uri, out, start_fresh, until, abandon_rank1, ef),
+             nprocs=world)
     res = [json.load(open(f"{out}.{r}")) for r in range(world)]
     assert not any("crash" in r for r in res), res
     return res

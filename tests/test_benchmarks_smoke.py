@@ -1,5 +1,5 @@
-"""Smoke test of the benchmark harness: ``python -m benchmarks.run --smoke`` end to end (every configuration,
-the crash-and-restore trials, the JSON / markdown / PNG outputs). Never asserts timings."""
+"""Smoke test of the benchmark harness: ``python -m benchmarks.run --smoke`` end to end (a configuration of each
+kind in make test, every configuration under ``long``; the crash-and-restore trials, the JSON / markdown / PNG outputs). Never asserts timings."""
 from __future__ import annotations
 
 import json
@@ -14,12 +14,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_benchmark_smoke(tmp_path):
+# one configuration of each saver kind and runtime (make test); every configuration, the Ray Train ones included,
+# under `long` (make reliability)
+SUBSET = ["torch_save_1", "dcp_async", "lowdiff_topk", "lowdiff_topk_ray", "amber"]
+
+
+@pytest.mark.parametrize("subset", [SUBSET, pytest.param(None, marks=pytest.mark.long, id="every-config")],
+                         ids=lambda s: "subset" if s else "every-config")
+def test_benchmark_smoke(tmp_path, subset):
     pytest.importorskip("matplotlib")
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out),
-                           "--workdir", str(tmp_path / "w")],
+                           "--workdir", str(tmp_path / "w"), *(["--configs", *subset] if subset else [])],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     log = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, log
@@ -30,7 +37,9 @@ def test_benchmark_smoke(tmp_path):
     assert result["errors"] == [], log
 
     from benchmarks import configs
-    expected = {c.name for c in configs.CONFIGS} - set(result["settings"]["skipped"])
+    chosen = {c.name for c in configs.CONFIGS if subset is None or c.name in subset}
+    chosen |= {configs.get(n).reference for n in chosen}      # the references each configuration is compared to
+    expected = chosen - set(result["settings"]["skipped"])
     got = result["jobs"]["gpt-tiny"]["configs"]
     assert set(got) == expected, log
     for name, s in got.items():

@@ -8,7 +8,6 @@ import traceback
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ray_ckpt.integrations.agreement import Collective, RestoreError, distributed
 from tests import _training as T
@@ -64,7 +63,7 @@ def _worker(rank, world, port, out):
 @pytest.mark.procs
 def test_two_gloo_ranks_raise_the_same_error_on_every_rank(tmp_path):
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(2, T.free_port(), out), nprocs=2, join=True)
+    T.spawn(_worker, args=(2, T.free_port(), out), nprocs=2)
     per_rank = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert not any("crash" in case for r in per_rank for case in r), per_rank
     assert [r[0] for r in per_rank] == [[0, 2], [1, 2]]

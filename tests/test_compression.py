@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ray_ckpt.compression import Int8State, TopKState, int8_hook, select_topk, topk_count, topk_hook
 from ray_ckpt.engine import grad_support as support
+from tests import _training as T
 
 RATIO = 0.01
 STEPS = 3
@@ -257,7 +257,7 @@ def runs():
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_worker, args=(world, init_file, tmp), nprocs=world, join=True)
+        T.spawn(_worker, args=(world, init_file, tmp), nprocs=world)
         yield [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -11,7 +11,6 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import ray_ckpt
 from ray_ckpt.cli.main import main as cli_main
@@ -27,7 +26,7 @@ def run(tmp_path_factory):
     gathered global state of each of its steps."""
     d = tmp_path_factory.mktemp("consol")
     uri = str(d / "ckpt")
-    mp.spawn(W.train_checkpointed, args=(2, T.free_port(), uri, str(d)), nprocs=2, join=True)
+    T.spawn(W.train_checkpointed, args=(2, T.free_port(), uri, str(d)), nprocs=2)
     load = lambda name: torch.load(os.path.join(d, name), weights_only=False)   # noqa: E731
     assert torch.distributed.is_available() and not torch.distributed.is_initialized()   # this process: no group
     return {"uri": uri, "dir": d, "glob": load("global.pt"), "sched": load("sched.pt"), "groups": load("groups.pt")}

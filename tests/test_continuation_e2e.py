@@ -47,8 +47,13 @@ def uninterrupted(tmp_path_factory, ray_cluster):  # noqa: F811
     return finals
 
 
-# 11: the step right after the full at 10; 18: inside a diff batch, after the two skipped iterations
-@pytest.mark.parametrize("kill_at", [11, pytest.param(18, marks=pytest.mark.long)])   # 18: make reliability
+# 11: the step right after the full at 10; 18: inside a diff batch, after the two skipped iterations. Both under
+# `long` (make reliability): make test kills a rank under Ray Train in tests/test_rank_death_ray_train.py (each
+# rank, dense and top-k, every rank's state bitwise), tests/test_ray_train_conventions.py (the callback, the
+# result's pointer) and resumes GradScaler-skipped iterations and error-feedback residuals bitwise in
+# tests/test_exact_resume.py and tests/test_agreed_restore.py
+@pytest.mark.long
+@pytest.mark.parametrize("kill_at", [11, 18])
 def test_killed_rank_recovers_and_every_rank_ends_bitwise_equal(tmp_path, uninterrupted, kill_at):
     finals, starts = _fit(tmp_path, {"kill_at": kill_at, "kill_rank": 1, "step_sleep": 0.05})
     restored = [s for s in starts if s["restored"]]

@@ -22,6 +22,7 @@ from ray_ckpt.engine import writer as writer_mod
 from ray_ckpt.lineage import drains
 from ray_ckpt.storage import open_storage
 from tests import _training as T
+from tests._drains import coordinator as _coord, drain_gcs as _drain_gcs, log as _log, wait as _wait
 
 
 def _reference(steps: int) -> list:
@@ -34,24 +35,6 @@ def _reference(steps: int) -> list:
         T.train_step("mlp", model, opt, None, s)
         out.append(T.snapshot(model, opt))
     return out
-
-
-def _log(msg):
-    if os.environ.get("DRAIN_TEST_LOG"):
-        with open(os.environ["DRAIN_TEST_LOG"], "a") as f:
-            f.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
-
-
-def _wait(cond, timeout=60.0, what="condition"):
-    t0 = time.monotonic()
-    while True:
-        got = cond()
-        if got:
-            _log(f"{what}: {time.monotonic() - t0:.1f} s")
-            return got
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 # -- no Ray: the records and the writer's notice ----------------------------------------------------------------
@@ -70,6 +53,43 @@ def test_drain_records_roundtrip_and_describe(tmp_path):
     lost = dict(rec, peer=[], unsafe=[[15, 16]])
     assert "NOT made safe (lost): 15..16" in drains.describe(lost)
     assert "held no step" in drains.describe(dict(rec, held=[], durable=[], peer=[]))
+
+
+def test_a_coordinator_restarted_during_a_drain_continues_its_record(tmp_path, monkeypatch):
+    """One drain (a node and its deadline), one record: a coordinator that restarts while the node drains takes
+    the open record from storage up again instead of writing a second one; a new drain of the node (another
+    deadline) or one after a withdrawn drain gets a record of its own. The coordinator class is driven without
+    Ray (its Ray calls are stand-ins here; the Ray tests below drain real nodes)."""
+    from ray_ckpt.runtime import coordinator as coord_mod
+    storage = open_storage(str(tmp_path / "ckpt"))
+    node, deadline = "ab" * 28, 1_800_000_004_000
+    monkeypatch.setattr(coord_mod.drain_watch, "worker_handle", lambda run, n: None)
+
+    def fresh():   # what a (re)started coordinator holds of the drains before the first poll
+        c = object.__new__(coord_mod.Coordinator)
+        c.run, c.storage, c.drains, c._draining, c._last_generation, c.entries = "r", storage, {}, {}, 1, {}
+        c._alive_nodes = lambda max_age=0.0: {node}
+        c._move_replica = c.drain_progress = lambda: False
+        return c
+
+    first = fresh()
+    first.drains_changed({node: deadline})
+    first.drains[node].update(status="safe", held=[[3, 9]], durable=[[3, 9]])
+    first._write_drain(first.drains[node])
+    assert len(drains.read_records(storage)) == 1
+    time.sleep(0.01)                     # a later notice would get a later key
+    again = fresh()                      # the coordinator restarted; the node still drains
+    again.drains_changed({node: deadline})
+    recs = drains.read_records(storage)
+    assert len(recs) == 1 and again.drains[node]["noticed_ms"] == recs[0]["noticed_ms"]
+    assert again.drains[node]["held"] == [[3, 9]] and again.drains[node]["status"] == "safe"
+    other = fresh()                      # the same node drained again with another deadline: another drain
+    other.drains_changed({node: deadline + 60_000})
+    assert len(drains.read_records(storage)) == 2
+    assert drains.find_open(storage, node, deadline)["held"] == [[3, 9]]
+    assert drains.find_open(storage, "cd" * 28, deadline) is None
+    again.drains_changed({})             # withdrawn: the record is closed, a later drain is a new one
+    assert drains.find_open(storage, node, deadline) is None
 
 
 def test_a_notice_makes_the_local_writer_write_every_step_and_wait_near_the_deadline(tmp_path):
@@ -196,20 +216,6 @@ def _drain_cli(cluster, node_id: str, seconds: int) -> None:
                     "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
                     "spot preemption (test)", "--deadline-remaining-seconds", str(seconds)],
                    check=True, timeout=120, capture_output=True)
-
-
-def _drain_gcs(cluster, node_id: str, seconds: float) -> None:
-    """The GCS call ``ray drain-node`` and the autoscaler make."""
-    from ray.core.generated import autoscaler_pb2
-    gcs = ray._raylet.GcsClient(address=cluster.address)
-    ok, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                             "spot preemption (test)", int((time.time() + seconds) * 1000))
-    assert ok, why
-
-
-def _coord(run):
-    from ray_ckpt.runtime import naming
-    return ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
 
 
 def _restore_latest(uri, run, ref_for):

@@ -21,8 +21,20 @@ CLI = [sys.executable, "-m", "ray_ckpt.cli.main"]
 STEPS = 12
 
 
-def _run(*args, **kw):
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=180, **kw)
+def _run(*args):
+    """``ray-ckpt *args`` in this process (tests/test_cli.py and the terminal tests below run it as a subprocess):
+    its exit status and what it wrote to stdout and stderr."""
+    import contextlib
+    import io
+
+    from ray_ckpt.cli.main import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:      # argparse's usage errors
+            rc = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["ray-ckpt", *map(str, args)], rc, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")

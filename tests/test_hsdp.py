@@ -4,7 +4,6 @@ their shard) and the state reshards to 1x2 and 1x1, bitwise; tensor-parallel pla
 from __future__ import annotations
 
 import pytest
-import torch.multiprocessing as mp
 
 from ray_ckpt.engine import sharded
 from ray_ckpt.storage import open_storage
@@ -14,15 +13,15 @@ from tests import _fsdp_worker as W, _training as T
 @pytest.mark.procs
 def test_hsdp_2x2_writes_one_replica_group_and_restores_bitwise_at_any_shape(tmp_path):
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
-    mp.spawn(W.hsdp_train_killed, args=(4, T.free_port(), uri, out), nprocs=4, join=True)   # they die at the end
+    T.spawn(W.hsdp_train_killed, args=(4, T.free_port(), uri, out), nprocs=4)   # they die at the end
     storage = open_storage(uri)
     # the layout of a 1-D FSDP2 run of 2 ranks: replica 0 of each shard wrote it, no key from the replicas
     assert sharded.saved_worlds(storage) == [2]
     assert {k.split("/")[2] for k in storage.list("shards/w00002/")} == {"r00000", "r00001"}
     assert [k for k in storage.list("") if not k.startswith("shards/w00002/r0000")] == ["shards/world-00002.json"]
-    mp.spawn(W.hsdp_restore, args=(4, T.free_port(), uri, out, (2, 2), [None, 7]), nprocs=4, join=True)
-    mp.spawn(W.hsdp_restore, args=(2, T.free_port(), uri, out, (1, 2), [None, 7]), nprocs=2, join=True)
-    mp.spawn(W.hsdp_restore, args=(1, T.free_port(), uri, out, (1, 1), [None]), nprocs=1, join=True)
+    T.spawn(W.hsdp_restore, args=(4, T.free_port(), uri, out, (2, 2), [None, 7]), nprocs=4)
+    T.spawn(W.hsdp_restore, args=(2, T.free_port(), uri, out, (1, 2), [None, 7]), nprocs=2)
+    T.spawn(W.hsdp_restore, args=(1, T.free_port(), uri, out, (1, 1), [None]), nprocs=1)
 
 
 def test_placements_other_than_shard_and_hsdp_are_refused_naming_them():
@@ -52,7 +51,7 @@ def test_amber_for_sharded_state_holds_its_bound_after_consolidation(tmp_path):
     2 ranks, and resharded to 1, gathered into whole tensors, are within |restored - true| <= tau·|restored| for
     every element (parameters: threshold, optimizer state: optimizer_threshold; step counters exact)."""
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
-    mp.spawn(W.amber_train_restore, args=(2, T.free_port(), uri, out), nprocs=2, join=True)
+    T.spawn(W.amber_train_restore, args=(2, T.free_port(), uri, out), nprocs=2)
     storage = open_storage(uri)
     assert any("-diff-" in k for k in storage.list("shards/w00002/r00001/manifests/"))
-    mp.spawn(W.amber_restore_at_world, args=(1, T.free_port(), uri, out), nprocs=1, join=True)
+    T.spawn(W.amber_restore_at_world, args=(1, T.free_port(), uri, out), nprocs=1)

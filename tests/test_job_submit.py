@@ -75,11 +75,11 @@ def _ray(env, *args, timeout=600):
                           timeout=timeout)
 
 
-def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
-    """Two jobs at once (their start-ups overlap): the example as is, and with FSDP2 (--fsdp)."""
+def _submit_and_wait(ray_head, jobs: dict) -> dict:
+    """Submit the example once per ``jobs`` entry (name: (storage, extra args)), all at once (their start-ups
+    overlap); wait for every job to succeed; return each job's log."""
     address, env, tmp = ray_head
     runtime_env = {"working_dir": ROOT, "excludes": [".venv", ".git", "benchmarks/results", "*.pt", "*.png"]}
-    jobs = {"job-test": (tmp_path / "ckpt", []), "job-fsdp": (tmp_path / "ckpt_fsdp", ["--fsdp"])}
     ids = {}
     for name, (storage, extra) in jobs.items():
         cmd = ["job", "submit", f"--address={address}", f"--runtime-env-json={json.dumps(runtime_env)}",
@@ -103,6 +103,13 @@ def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
     for name, i in ids.items():
         st = _ray(env, "job", "status", f"--address={address}", i, timeout=120)
         assert "succeeded" in st.stdout.lower(), (name, st.stdout[-2000:], logs[name][-4000:])
+    return logs
+
+
+def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
+    """The example as is."""
+    jobs = {"job-test": (tmp_path / "ckpt", [])}
+    logs = _submit_and_wait(ray_head, jobs)
     assert "[ray_ckpt] starting at step 0" in logs["job-test"], logs["job-test"][-4000:]
     from ray_ckpt.engine.lineage_io import load_lineage
     from ray_ckpt.storage import open_storage
@@ -110,8 +117,15 @@ def test_ray_job_submit_trains_and_writes_lineage(ray_head, tmp_path):
     assert lineage.head() == 8
     assert lineage.reachable_steps(1) == list(range(9))
 
-    # the FSDP2 job: every rank writes its shard lineage; both reach the last step
+
+@pytest.mark.long   # make test covers FSDP2 under Ray Train in tests/test_sharded_ray_train.py
+def test_ray_job_submit_fsdp_writes_every_ranks_shard_lineage(ray_head, tmp_path):
+    """The example with FSDP2 (--fsdp): every rank writes its shard lineage; both reach the last step."""
+    jobs = {"job-fsdp": (tmp_path / "ckpt_fsdp", ["--fsdp"])}
+    _submit_and_wait(ray_head, jobs)
     from ray_ckpt.engine import sharded
+    from ray_ckpt.engine.lineage_io import load_lineage
+    from ray_ckpt.storage import open_storage
     s2 = open_storage(str(jobs["job-fsdp"][0]))
     assert sharded.saved_worlds(s2) == [2]
     for rank in range(2):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.multiprocessing as mp
 
 from tests import _ddp_worker, _training as T
 
@@ -15,6 +14,6 @@ CASES = [("mlp", "adamw", "topk"), ("gpt", "adamw", "topk"), ("gpt", "adamw", "d
 @pytest.mark.procs
 def test_ddp_bit_exact_restore_and_continuation(tmp_path):
     results = tmp_path / "results.json"
-    mp.spawn(_ddp_worker.main, args=(2, T.free_port(), str(tmp_path), CASES, str(results)), nprocs=2, join=True)
+    T.spawn(_ddp_worker.main, args=(2, T.free_port(), str(tmp_path), CASES, str(results)), nprocs=2)
     got = json.loads(results.read_text())
     assert set(got) == {f"{k}/{o}/{h}" for k, o, h in CASES}

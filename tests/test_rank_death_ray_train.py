@@ -14,7 +14,6 @@ import uuid
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests import _training as T
 from tests._loader_fn import BATCH, EPOCHS, ROWS, fit, read_finals, reference_worker
@@ -30,7 +29,7 @@ def references(tmp_path_factory):
     configs = {mode: {"out": str(tmp / mode), "topk": mode == "topk"} for mode in ("dense", "topk")}
     for c in configs.values():
         os.makedirs(c["out"])
-    mp.spawn(reference_worker, args=(2, T.free_port(), list(configs.values())), nprocs=2, join=True)
+    T.spawn(reference_worker, args=(2, T.free_port(), list(configs.values())), nprocs=2)
     return {mode: read_finals(tmp / mode) for mode in configs}
 
 
@@ -55,6 +54,12 @@ def _case(tmp_path, references, kill_rank, mode):
           f"{[finals[r]['start'] for r in (0, 1)]}, restore {[round(finals[r].get('restore_s', -1), 2) for r in (0, 1)]} s")
     assert max(first_attempt.values()) <= KILL_AT, first_attempt
     assert first_attempt[kill_rank] == KILL_AT, first_attempt
+    for rank in (0, 1):      # attach said where the restarted attempt's start-up seconds went, on every rank
+        phases = finals[rank]["startup"]
+        assert {"storage", "policy", "restore", "checkpointer", "rank_loop", "total"} <= set(phases), phases
+        assert all(v >= 0 for v in phases.values()) and phases["total"] >= phases["checkpointer"], phases
+    print("rank 0's start-up phases:", finals[0]["startup"])
+    assert {"prestart", "checkpointer.replica", "checkpointer.node_worker"} <= set(finals[0]["startup"])
     for rank in (0, 1):
         ref, got = references[mode][rank], finals[rank]
         assert got["restored"], got["start"]

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ray_ckpt.engine import sharded
 from ray_ckpt.storage import open_storage
@@ -25,15 +24,15 @@ def _ls(path, capsys) -> dict:
 @pytest.mark.procs
 def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
-    mp.spawn(W.train_and_restore, args=(2, T.free_port(), uri, out), nprocs=2, join=True)
+    T.spawn(W.train_and_restore, args=(2, T.free_port(), uri, out), nprocs=2)
     storage = open_storage(uri)
     assert sharded.saved_worlds(storage) == [2]
     assert storage.list("shards/w00002/r00001/manifests/")          # rank 1 wrote its own lineage
     listed = _ls(uri, capsys)["sharded"]
     assert [(w["world"], w["latest"], [r["head"] for r in w["ranks"]]) for w in listed] == [(2, W.STEPS, [W.STEPS] * 2)]
     # reshard: 2 -> 1 and 2 -> 3 (TinyGPT's 32-wide tensors split 11/11/10)
-    mp.spawn(W.restore_at_world, args=(1, T.free_port(), uri, out, [W.STEPS, 6, 13]), nprocs=1, join=True)
-    mp.spawn(W.restore_at_world, args=(3, T.free_port(), uri, out, [W.STEPS, 5]), nprocs=3, join=True)
+    T.spawn(W.restore_at_world, args=(1, T.free_port(), uri, out, [W.STEPS, 6, 13]), nprocs=1)
+    T.spawn(W.restore_at_world, args=(3, T.free_port(), uri, out, [W.STEPS, 5]), nprocs=3)
 
     # rank 1 never committed its newest diff (it crashed first): that step is not recoverable for the group
     lost = tmp_path / "lost"
@@ -45,7 +44,7 @@ def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     expect = int(newest.rsplit("-", 2)[-2]) - 1   # the step before the deleted diff's first step
     assert expect < W.STEPS
     assert _ls(str(lost), capsys)["sharded"][0]["latest"] == expect     # ray-ckpt ls says so too
-    mp.spawn(W.missing_shard, args=(2, T.free_port(), str(lost), out, expect), nprocs=2, join=True)
+    T.spawn(W.missing_shard, args=(2, T.free_port(), str(lost), out, expect), nprocs=2)
 
     # rank 1's newest diff object is corrupt (its manifest is there): restores with fallback agree on the step
     # before it on both ranks (Ray Train's attach does this)
@@ -56,11 +55,11 @@ def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     data = bytearray(s3.read(obj))
     data[len(data) // 2] ^= 0xFF
     s3.write(obj, bytes(data))
-    mp.spawn(W.corrupt_shard_agreement, args=(2, T.free_port(), str(bad), out, expect), nprocs=2, join=True)
+    T.spawn(W.corrupt_shard_agreement, args=(2, T.free_port(), str(bad), out, expect), nprocs=2)
 
 
 def test_fsdp2_unsupported_combinations_are_refused_before_writing(tmp_path):
-    mp.spawn(W.refused, args=(1, T.free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=1, join=True)
+    T.spawn(W.refused, args=(1, T.free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=1)
 
 
 def test_reshard_reads_only_the_saved_shards_that_overlap():
@@ -97,7 +96,40 @@ def test_shard_runs_are_found_by_their_actor_names():
              naming.worker_name(sharded.shard_run("exp", 2, 1), "node1"), naming.coordinator_name("exp"),
              naming.coordinator_name(sharded.shard_run("exp2", 2, 0))]
     assert naming.shard_runs("exp", names) == [sharded.shard_run("exp", 2, r) for r in range(2)]
-    assert sharded.shard_run(None, 2, 0) is None   # unnamed: the default run of the shard storage's URI
+    assert sharded.shard_run(None, 2, 0) is None   # unnamed: the Checkpointer names it after the root
+
+
+def test_shard_run_names_lead_to_their_job_and_lineage(tmp_path):
+    """runtime="ray": a shard run's name says its job (whose hosts serve it) and its lineage's storage below the
+    job's root, so a restarted host reopens a lineage from its name alone; an unnamed job's shard runs are named
+    after the root's default run."""
+    import pickle
+
+    from ray_ckpt.runtime import lineages, naming
+    from ray_ckpt.runtime.client import shard_lineage_run
+    from ray_ckpt.storage import open_storage
+    root = open_storage(str(tmp_path))
+    run = sharded.shard_run("exp", 3, 2)
+    assert lineages.is_shard_run(run) and not lineages.is_shard_run("exp")
+    assert lineages.job_of(run) == "exp" and lineages.job_of("exp") == "exp"
+    assert lineages.shard_of(run) == (3, 2)
+    assert lineages.shard_prefix(run) == sharded.shard_prefix(3, 2)
+    view = sharded.shard_storage(root, 3, 2)
+    assert lineages.root_storage(view, run) is root
+    assert lineages.lineage_storage(root, run).describe() == view.describe()
+    with pytest.raises(ValueError, match="must be its view"):
+        lineages.root_storage(sharded.shard_storage(root, 3, 1), run)
+    with pytest.raises(ValueError, match="not the name of a shard run"):
+        lineages.shard_of("exp")
+    assert shard_lineage_run(root, None, 2, 1) == sharded.shard_run(naming.default_run_name(root.describe()), 2, 1)
+    assert shard_lineage_run(root, "exp", 2, 1) == sharded.shard_run("exp", 2, 1)
+    # the job's hosts, and none of another job whose name starts alike
+    names = [lineages.coordinator_host_name("exp"), lineages.worker_host_name("exp", "n1"),
+             lineages.replica_host_name("exp", "n1"), lineages.coordinator_host_name("exp2"),
+             naming.coordinator_name("exp")]
+    assert lineages.host_names("exp", names) == sorted(names[:3])
+    handle = pickle.loads(pickle.dumps(lineages.LineageHandle("host", run)))
+    assert (handle.host, handle.run) == ("host", run)
 
 
 def test_attach_refuses_an_unknown_sharded_runtime_before_creating_anything():
@@ -106,3 +138,62 @@ def test_attach_refuses_an_unknown_sharded_runtime_before_creating_anything():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="sharded_runtime must be 'ray' or 'local'"):
         attach(model, opt, sharded_runtime="threads")   # outside Ray Train: refused before its context is read
+
+
+def test_cli_lease_of_a_sharded_root_lists_every_rank_lineage(tmp_path, capsys):
+    """`ray-ckpt lease` on a sharded root shows the lease of each rank lineage of each saved world size (a job
+    with runtime="ray" holds one per shard run), and --release frees them all."""
+    from ray_ckpt.cli.main import main as cli_main
+    from ray_ckpt.engine.lease import Lease, read_lease
+    from ray_ckpt.storage import open_storage
+    root = open_storage(str(tmp_path))
+    spec = sharded.ShardSpec(world=2, rank=0, shapes=((4,),), dims=(0,))
+    sharded.mark_world(root, spec)
+    Lease(sharded.shard_storage(root, 2, 0), run=sharded.shard_run("exp", 2, 0)).acquire()
+    capsys.readouterr()
+    assert cli_main(["lease", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "world 2 rank 0: held by" in text and "exp:shard-w00002-r00000" in text, text
+    assert "world 2 rank 1: no writer" in text, text
+    assert cli_main(["lease", str(tmp_path), "--json", "--release"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [(s["world"], s["rank"], s["lease"] is not None) for s in got["shards"]] == [(2, 0, True), (2, 1, False)]
+    assert got["lease"] is None and read_lease(sharded.shard_storage(root, 2, 0)) is None
+
+
+def test_lineage_host_routes_opens_and_answers_for_absent_lineages():
+    """A job's host routes each call to the lineage it names: methods that may open a lineage open it (from its
+    name: a restarted host), others answer "nothing here" or raise UnknownLineage (a ValueError); lineages of
+    another job, or names that are not shard runs, are refused."""
+    from ray_ckpt.runtime import lineages
+
+    class Lin:
+        def __init__(self, run):
+            self.run, self.calls = run, []
+
+        def submit(self, x, y=0):
+            self.calls.append((x, y))
+            return len(self.calls)
+
+    class Host(lineages.LineageHost):
+        OPENING = frozenset({"submit"})
+        ABSENT = {"inventory": list}
+
+        def __init__(self):
+            self._host_init("exp")
+
+        def _open(self, run):
+            return Lin(run)
+
+    h = Host()
+    r0, r1 = sharded.shard_run("exp", 2, 0), sharded.shard_run("exp", 2, 1)
+    assert h.lineage_call(r0, "submit", (5,), {"y": 1}) == 1 and h.lineage_call(r0, "submit", (6,)) == 2
+    assert h.lineages() == [r0] and h._lineages[r0].calls == [(5, 1), (6, 0)]
+    assert h.lineage_call(r1, "inventory") == [] and h.lineages() == [r0]    # answered, not opened
+    with pytest.raises(lineages.UnknownLineage):
+        h.lineage_call(r1, "calls")
+    with pytest.raises(lineages.UnknownLineage, match="not of job"):
+        h.lineage_call(sharded.shard_run("exp2", 2, 0), "submit", (1,))
+    with pytest.raises(ValueError, match="not the name of a shard run"):
+        h.lineage_call("exp:shard-x", "submit", (1,))
+    assert h.drop_lineage(r0) and h.lineages() == []

@@ -1,6 +1,6 @@
-"""Sharded training state (FSDP2) with ``runtime="ray"`` (issue #15): every rank's shard lineage is a run of its
-own — its coordinator, its node's persistence worker, its replica on the peer node — and restores go through
-the shard runs: with ``durable_diffs="fulls"`` storage alone holds only an older step while the latest comes
+"""Sharded training state (FSDP2) with ``runtime="ray"``: every rank's shard lineage is a shard run of the job —
+tracked by the job's one coordinator, persisted by its node's worker host, replicated by the replica host of its
+node on the peer node — and restores go through the shard runs: with ``durable_diffs="fulls"`` storage alone holds only an older step while the latest comes
 from each shard's replica (nothing replayed); an older step from the memory tier; resharded 2 -> 1 from the shard
 runs; all bitwise."""
 from __future__ import annotations
@@ -11,13 +11,12 @@ import uuid
 import pytest
 import ray
 import torch
-import torch.multiprocessing as mp
 
 import ray_ckpt
 
 from ray_ckpt.engine import sharded
-from ray_ckpt.runtime import naming
-from ray_ckpt.runtime.coordinator import shutdown_run
+from ray_ckpt.runtime import lineages, naming
+from ray_ckpt.runtime.coordinator import shard_runs, shutdown_job
 from ray_ckpt.storage import open_storage
 from tests import _fsdp_worker as W, _training as T
 
@@ -27,25 +26,30 @@ pytestmark = pytest.mark.ray
 def test_fsdp2_shard_runs_restore_from_their_replicas(tmp_path, ray_cluster):  # noqa: F811
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
     run = f"fsdp-ray-{uuid.uuid4().hex[:6]}"
-    mp.spawn(W.ray_train_and_restore, args=(2, T.free_port(), uri, out, ray_cluster.address, run), nprocs=2,
-             join=True)
-    # one run per shard: its coordinator and its replica, which runs on the peer of the trainer's node
+    T.spawn(W.ray_train_and_restore, args=(2, T.free_port(), uri, out, ray_cluster.address, run), nprocs=2)
+    # one coordinator for the job tracks both shard lineages; each shard's replica runs on the peer of the
+    # trainer's node, in the one replica host of that node
     me = ray.get_runtime_context().get_node_id()
+    assert shard_runs(run) == [sharded.shard_run(run, 2, r) for r in range(2)]
+    hosts = set()
     for rank in range(2):
         shard = sharded.shard_run(run, 2, rank)
-        ray.get_actor(naming.coordinator_name(shard), namespace=naming.NAMESPACE)
-        replica = ray.get_actor(naming.replica_name(shard), namespace=naming.NAMESPACE)
+        ray.get(lineages.coordinator(shard).status.remote())
+        replica = lineages.replica(shard)
         assert ray.get(replica.ping.remote()) != me
+        hosts.add(replica.host)
+    assert len(hosts) == 1
     assert sharded.saved_worlds(open_storage(uri)) == [2]
     # 2 -> 1: both saved shards come from their replicas, resharded
-    mp.spawn(W.ray_restore_at_world, args=(1, T.free_port(), uri, out, ray_cluster.address, run), nprocs=1,
-             join=True)
+    T.spawn(W.ray_restore_at_world, args=(1, T.free_port(), uri, out, ray_cluster.address, run), nprocs=1)
     # consolidated in this process (no process group) into the unsharded model, through the shard runs
     _consolidate_through_the_shard_runs(uri, out, run)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-    assert naming.shard_runs(run, names) == [sharded.shard_run(run, 2, r) for r in range(2)]
-    for shard in naming.shard_runs(run, names):
-        shutdown_run(shard)
+    assert naming.shard_runs(run, names) == []    # no actors per shard run: the job's hosts serve them
+    assert shard_runs(run) == [sharded.shard_run(run, 2, r) for r in range(2)]
+    shutdown_job(run)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert lineages.host_names(run, names) == []
 
 
 def _consolidate_through_the_shard_runs(uri, out, run):

@@ -9,11 +9,10 @@ import uuid
 import pytest
 import ray
 import torch
-import torch.multiprocessing as mp
 
 import ray_ckpt.train
 from ray_ckpt.engine import sharded
-from ray_ckpt.runtime import naming
+from ray_ckpt.runtime import lineages, naming
 from tests import _fsdp_worker as W, _training as T
 from tests._train_fn import fsdp_loop
 
@@ -41,7 +40,7 @@ def _records(out, kind):
 def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):  # noqa: F811
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
-    mp.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), W.STEPS), nprocs=2, join=True)
+    T.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), W.STEPS), nprocs=2)
     reference = torch.load(ref_dir / "global.pt", weights_only=False)
 
     name = f"fsdp-{uuid.uuid4().hex[:6]}"
@@ -59,10 +58,11 @@ def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):
     T.assert_same(reference[step], resumed[0]["state"], f"restored step {step}")
     finals = _records(out, "final")
     assert [d["step"] for d in finals] == [W.STEPS]
-    # runtime="ray": every shard lineage was checkpointed through a run of its own, whose actors the callback
-    # stopped when the run finished
+    # runtime="ray": every shard lineage was checkpointed through a shard run of the job's one coordinator (and
+    # its node hosts), whose actors the callback stopped when the run finished
     assert finals[0]["shard_runs"] == [sharded.shard_run(name, 2, r) for r in range(2)], finals[0]["shard_runs"]
-    assert naming.shard_runs(name, [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]) == []
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert naming.shard_runs(name, names) == [] and lineages.host_names(name, names) == []
     T.assert_same(reference[W.STEPS], finals[0]["state"], "final state after the restart")
 
     # a new driver, one worker, sharded_runtime="local" (a writer thread per rank, no shard runs): the latest
@@ -90,7 +90,7 @@ def test_fsdp2_node_removed_elastic_run_reshards_and_continues(tmp_path, ray_clu
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     steps = 40
-    mp.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), steps), nprocs=2, join=True)
+    T.spawn(W.reference, args=(2, T.free_port(), str(ref_dir), steps), nprocs=2)
     reference = torch.load(ref_dir / "global.pt", weights_only=False)
     nodes = add_elastic_nodes(ray_cluster, "elastic_fsdp")
     out = tmp_path / "out"

@@ -35,6 +35,8 @@ def train_loop(config: dict) -> None:
                os.path.join(config["out"], f"rank{rank}.pt"))
 
 
+@pytest.mark.long   # make test: the phases after a restart in tests/test_rank_death_ray_train.py, keep_fulls=2 in
+                    # tests/test_retention.py
 def test_attach_reports_its_phases_and_the_default_keeps_two_fulls(tmp_path, ray_cluster, monkeypatch):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

@@ -13,7 +13,7 @@ storage only: no cluster, no model code needed. Runs in the calling process.
                                     scheduler/RNG/extra state as torch.save'd dicts)
     ray-ckpt gc URI --keep-fulls K [--dry-run]
                                     delete chains older than the K newest full checkpoints
-    ray-ckpt lease URI [--release]  which job writes the lineage; --release frees the lease of a job that is gone
+    ray-ckpt lease URI [--release]  which job writes the lineage (each rank's of a sharded root); --release frees the lease of a job that is gone
 
 The root of sharded (FSDP2) state (``shards/w<W>/r<R>/``: a lineage per rank) works with every command: ``ls``
 shows each rank's head and the step complete on every rank; ``inspect`` the plan of each rank for that step;
@@ -421,16 +421,25 @@ def cmd_lease(storage, args) -> int:
     from ray_ckpt.engine.lease import describe, read_lease
     from ray_ckpt.lineage.layout import LEASE_KEY
     rec = read_lease(storage)
+    # a sharded root: every rank lineage of every saved world size has a lease of its own
+    shards = [(w, r, sharded.shard_storage(storage, w, r)) for w in sharded.saved_worlds(storage) for r in range(w)]
+    held = [(st, read_lease(st)) for _, _, st in shards]
     if args.json:
-        print(json.dumps({"lease": rec}, indent=2))
-    elif rec is None:
-        print(f"no writer holds {storage.describe()}")
+        print(json.dumps({"lease": rec, "shards": [{"world": w, "rank": r, "lease": lease}
+                                                   for (w, r, _), (_, lease) in zip(shards, held)]}, indent=2))
     else:
-        print(f"{storage.describe()} is held by {describe(rec)}")
-    if args.release and rec is not None:
-        storage.delete(LEASE_KEY)
-        print(f"released: the next writer may attach (if that job still runs, it stops at its next commit)",
-              file=sys.stderr)
+        if rec is not None or not shards:
+            print(f"no writer holds {storage.describe()}" if rec is None
+                  else f"{storage.describe()} is held by {describe(rec)}")
+        for (w, r, st), (_, lease) in zip(shards, held):
+            print(f"  world {w} rank {r}: " + ("no writer" if lease is None else f"held by {describe(lease)}"))
+    if args.release:
+        released = [st for st, lease in [(storage, rec)] + held if lease is not None]
+        for st in released:
+            st.delete(LEASE_KEY)
+        if released:
+            print(f"released {len(released)} lease(s): the next writer may attach (if that job still runs, it "
+                  f"stops at its next commit)", file=sys.stderr)
     return 0
 
 

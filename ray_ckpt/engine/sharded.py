@@ -44,9 +44,9 @@ tensors: bitwise the run's gathered state, loop state rank 0's.
 
 Supported: 1-D meshes with ``Shard(d)`` placements, 2-D HSDP meshes with ``Replicate() x Shard(d)``, optimizers
 whose state tensors have their parameter's shape or are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"``
-every shard lineage is a run of its own
-(:func:`shard_run`: its coordinator, node workers and state-tier replica), and restores go through the shard
-runs (:class:`ray_ckpt.runtime.client.ShardedMemoryTier`). Where calls run: the training process of each rank.
+every shard lineage is a shard run of its job (:func:`shard_run`), tracked by the job's one coordinator and
+served by the job's worker and replica hosts of each node (:mod:`ray_ckpt.runtime.lineages`: O(nodes) actors), and
+restores go through the shard runs (:class:`ray_ckpt.runtime.client.ShardedMemoryTier`). Where calls run: the training process of each rank.
 """
 from __future__ import annotations
 
@@ -186,9 +186,9 @@ def shard_prefix(world: int, rank: int) -> str:
 
 
 def shard_run(run: str | None, world: int, rank: int) -> str | None:
-    """The Ray runtime's run of one shard lineage (``runtime="ray"``: its coordinator, node workers and replica).
-    A named run gets a name per shard; None keeps the default, derived from the shard storage's URI (itself
-    unique per shard)."""
+    """The Ray runtime's run of one shard lineage (``runtime="ray"``: its lineage of the job's coordinator, node
+    workers and replicas, :mod:`ray_ckpt.runtime.lineages`). None for None (the Checkpointer names the shard runs
+    of an unnamed job after its root: :func:`ray_ckpt.runtime.client.shard_lineage_run`)."""
     return None if run is None else f"{run}{SHARD_RUN_TAG}w{world:05d}-r{rank:05d}"
 
 

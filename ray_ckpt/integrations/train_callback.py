@@ -6,7 +6,8 @@ Ray Train's developer API ``ControllerCallback``. Hooks used, and where they run
 =========================================================  ====================================================
 ``ControllerCallback.after_controller_start``              controller actor: create the run's coordinator
 ``ControllerCallback.before_controller_execute_failure_decision``  controller: record the failure, persist the
-                                                           replicas of objects whose node was lost
+                                                           replicas of objects whose node was lost (in a
+                                                           thread: the controller's loop goes on)
 ``ControllerCallback.before_controller_execute_resize_decision``   controller: record the resize (elastic)
 ``ControllerCallback.after_controller_finish``             controller: flush every persistence worker, then
                                                            (unless ``keep_runtime``) stop the run's actors
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
@@ -37,8 +39,8 @@ from ray_ckpt.storage.s3_options import SECRET_OPTIONS
 from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.lineage import MANIFESTS_DIR
 from ray_ckpt.lineage.layout import RUN_MARKER
-from ray_ckpt.runtime import naming
-from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
+from ray_ckpt.runtime import lineages
+from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shard_runs, shutdown_run
 
 log = logging.getLogger("ray_ckpt")
 
@@ -99,12 +101,23 @@ class RayCkptCallback(ControllerCallback):
             return
         try:
             coord.record_failure.remote({"decision": str(failure_decision), "failures": self.failures})
-            persist_orphans(self.run, coord)
-            for shard in _shard_runs(self.run):   # FSDP2 with runtime="ray": each shard lineage's run
-                shard_coord = ray.get_actor(naming.coordinator_name(shard), namespace=naming.NAMESPACE)
-                persist_orphans(shard, shard_coord)
         except Exception as e:  # noqa: BLE001 - never break Ray Train's failure handling
             log.warning("ray_ckpt: could not record the failure: %s", e)
+        # the writes take as long as the storage does (a storage outage: minutes): never in the controller's loop,
+        # which must restart the group meanwhile (at a preemption's deadline, the group is ended only after this)
+        threading.Thread(target=self._persist_orphans, args=(coord,), daemon=True,
+                         name="ray_ckpt-persist-orphans").start()
+
+    def _persist_orphans(self, coord) -> None:
+        """Controller actor, a thread of its own: the objects only one node holds are written (see
+        :func:`persist_orphans`), for the run and each shard run."""
+        try:
+            persist_orphans(self.run, coord)
+            for shard in _shard_runs(self.run):   # FSDP2 with runtime="ray": each shard lineage's run
+                shard_coord = lineages.coordinator(shard)
+                persist_orphans(shard, shard_coord)
+        except Exception as e:  # noqa: BLE001
+            log.warning("ray_ckpt: could not persist the objects held by one node only after a failure: %s", e)
 
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
         coord = self._coord()
@@ -114,7 +127,7 @@ class RayCkptCallback(ControllerCallback):
     def after_controller_finish(self, result) -> None:
         if self.run is None:
             return
-        runs = [self.run] + _shard_runs(self.run)   # FSDP2 with runtime="ray": a run per shard lineage too
+        runs = [self.run] + _shard_runs(self.run)   # FSDP2 with runtime="ray": a shard run per lineage too
         try:
             for run in runs:
                 flush_run(run)
@@ -125,7 +138,7 @@ class RayCkptCallback(ControllerCallback):
 
     def _coord(self):
         try:
-            return ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
+            return lineages.coordinator(self.run)
         except (ValueError, TypeError):
             return None
 
@@ -171,16 +184,19 @@ def _is_empty(storage) -> bool:
 
 
 def _shard_runs(run: str) -> list[str]:
-    """The shard runs of ``run`` with live actors (sharded FSDP2 state, runtime='ray'). Any process."""
-    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=True)]
-    return naming.shard_runs(run, names)
+    """The shard runs of job ``run`` that its coordinator host holds (sharded FSDP2 state, runtime='ray'). Any
+    process."""
+    return shard_runs(run)
 
 
 def flush_run(run: str, timeout: float = 300.0) -> None:
     """Wait until every persistence worker of ``run`` has made what it holds durable. Any process."""
-    workers = [ray.get_actor(a["name"], namespace=naming.NAMESPACE)
-               for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"].startswith(naming.worker_prefix(run))]
+    workers = []
+    for node in sorted(lineages.worker_nodes(run)):
+        try:
+            workers.append(lineages.worker(run, node))
+        except ValueError:   # gone since it was listed
+            pass
     calls = [w.flush.remote() for w in workers]
     done, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
     for c in done:
@@ -196,7 +212,7 @@ def persist_orphans(run: str, coord) -> list[str]:
     written = []
     for node, names in todo.items():
         try:
-            w = ray.get_actor(naming.worker_name(run, node), namespace=naming.NAMESPACE)
+            w = lineages.worker(run, node)
             written += ray.get(w.persist.remote(names), timeout=300)
         except Exception as e:  # noqa: BLE001
             log.warning("ray_ckpt: node %s could not persist %d objects: %s", node[:8], len(names), e)

@@ -20,7 +20,7 @@ import ray
 import torch
 
 from ray_ckpt import storage as _storage
-from ray_ckpt.api import Checkpointer
+from ray_ckpt.api import Checkpointer, open_uri
 from ray_ckpt.config import CheckpointConfig, LowDiff
 from ray_ckpt.engine.loopstate import as_stateful
 from ray_ckpt.engine.rankloop import RankLoopRecorder
@@ -86,6 +86,18 @@ class TrainSession:
             write_pointer(d, pointer)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d), **kwargs)
 
+    def preempted(self) -> dict | None:
+        """This rank's drain notice, or None: ``{"node", "deadline_ms", "remaining_s", ...}`` while a node of the
+        worker group drains (Ray Train restarts the whole group at the deadline), as
+        :meth:`ray_ckpt.Checkpointer.preempted` says it. Every rank hears of it (rank 0 through its Checkpointer,
+        the other ranks through their loop-state recorder); nothing needs to be done about it. Training worker, any
+        thread; no Ray call and no collective (unlike ``ray.train.get_preemption_info()``): a rank may ask it
+        alone, any number of times."""
+        got = self.checkpointer.preempted() if self.checkpointer is not None else None
+        if got is None and self.loop_recorder is not None:
+            got = self.loop_recorder.sink.noticed
+        return got
+
     def close(self, timeout: float | None = None, *, report: bool = True) -> None:
         """End of training: make every captured step durable, detach, and (``report``) report a final pointer
         naming the last step, with the latest metrics, unless that step was just reported. Call on every rank
@@ -135,7 +147,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     ``extra_state``: an object with ``state_dict``/``load_state_dict`` or a dict of them, e.g.
     ``{"loader": StatefulDataLoader(...), "epoch": counter}`` to resume mid-epoch.
 
-    The storage comes from :class:`RayCkptCallback` (via the run's coordinator) unless ``storage_uri`` is given;
+    The storage comes from :class:`RayCkptCallback` (via the run's coordinator) unless ``storage_uri`` (a URI, or
+    an opened storage backend) is given;
     its credentials do not come along (no actor hands them out): each worker resolves its own, from
     ``storage_options`` or its node's AWS environment, profile or instance role.
     Every rank gets its own RNG and extra state back: ranks > 0 record theirs next to the lineage (see
@@ -144,7 +157,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     (:class:`~ray_ckpt.compression.ResidualState`: a dense copy per step and rank), so compression after a
     restore matches the uninterrupted run.
     ``sharded_runtime`` (FSDP2 models, where every rank checkpoints its shard): ``"ray"`` — a shard run per rank
-    (its coordinator on the head node, its node worker, its replica); ``"local"`` — each rank writes its shard
+    (its lineage of the job's one coordinator, its node's worker host, its node's replica host); ``"local"`` — each rank writes its shard
     lineage from a thread of its process, no actors per rank (cheaper with many ranks; restores from storage).
     """
     if sharded_runtime not in ("ray", "local"):   # refused before any actor or file is created
@@ -181,8 +194,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
         log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, restore_seconds)
     ck = recorder = None
     if sharded:
-        # FSDP2: every rank checkpoints its own shard lineage (with its own loop state): through a run of its own
-        # (its coordinator, its node's persistence worker, its replica) or from a thread of its process; the run
+        # FSDP2: every rank checkpoints its own shard lineage (with its own loop state): through its shard run
+        # (the job's one coordinator, its node's worker and replica hosts) or from a thread of its process; the run
         # (or, locally, the writer lease) is the experiment's, so a restarted worker group continues
         ck = Checkpointer(storage, model, optimizer, scheduler=scheduler, strategy=strategy,
                           extra_state=extra_state, scaler=scaler, start_step=start, runtime=sharded_runtime,
@@ -265,8 +278,8 @@ def record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state,
 def _resolve_storage(run: str, storage_uri, storage_options):
     """The lineage's storage: ``storage_uri``, else the callback's (from the run's coordinator), else the one the
     run's last pointer checkpoint names. Training worker."""
-    if storage_uri is not None:
-        return _storage.open_storage(os.fspath(storage_uri), **(storage_options or {}))
+    if storage_uri is not None:   # a URI, or an opened storage backend (as Checkpointer takes)
+        return open_uri(storage_uri, storage_options)
     try:
         coord = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
     except ValueError:

@@ -10,7 +10,9 @@ plain JSON::
      "held": [[first, last], ...],      steps the node held that were not durable when it was noticed or after
      "durable": [[first, last], ...],   of those: durable on storage
      "peer": [[first, last], ...],      not durable, held on a node that stays (the memory tier restores them)
-     "unsafe": [[first, last], ...]}    neither (only the draining node held them; lost once it is gone)
+     "unsafe": [[first, last], ...],    neither (only the draining node held them; lost once it is gone)
+     "durable_before": <step>}          the newest step of the generation durable at the notice (what the node
+                                        received past it counts as held, even if written before it was seen)
 
 Pure (no Ray, no torch): any process.
 """
@@ -53,6 +55,17 @@ def read_records(storage) -> list[dict]:
         if isinstance(rec, dict) and "node" in rec and "noticed_ms" in rec:
             out.append(rec)
     return out
+
+
+def find_open(storage, node: str, deadline_ms: int) -> dict | None:
+    """The newest record on storage of a drain of ``node`` with this deadline (0: none) that is still open
+    ("draining" or "safe"), or None. A coordinator that restarted during a drain continues that record instead
+    of writing a second one for the same drain (a drain is its node and its deadline). Any process."""
+    for rec in reversed(read_records(storage)):
+        if rec["node"] == node and int(rec.get("deadline_ms") or 0) == int(deadline_ms or 0) \
+                and rec.get("status") in ("draining", "safe"):
+            return rec
+    return None
 
 
 def ranges_text(ranges) -> str:

@@ -12,7 +12,7 @@ import ray
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.engine.restore import LoadedChain
 from ray_ckpt.lineage import NoCheckpointError
-from ray_ckpt.runtime import naming
+from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator
 from ray_ckpt.runtime.plan_reader import load_plan
 from ray_ckpt.runtime.replica import get_or_create_replica
@@ -46,6 +46,14 @@ def _require_ray() -> None:
 
 def run_name(storage, run: str | None) -> str:
     return run or naming.default_run_name(storage.describe())
+
+
+def shard_lineage_run(root, run: str | None, world: int, rank: int) -> str:
+    """The shard run of rank ``rank`` of ``world`` of the sharded job at storage root ``root`` (named ``run``,
+    or after the root): what its Checkpointer attaches to and restores read through (the job's hosts,
+    :mod:`ray_ckpt.runtime.lineages`). Any process."""
+    from ray_ckpt.engine.sharded import shard_run
+    return shard_run(run_name(root, run), world, rank)
 
 
 def attach_sink(storage, impl, *, run: str | None, config, info: dict, takeover: bool = False):
@@ -98,8 +106,9 @@ def prestart(run: str, storage, *, config, lowdiff: bool, full_every: int) -> No
     if config.replica and lowdiff:
         _, created = get_or_create_replica(run, _replica_node(), storage, full_every=full_every,
                                            max_lag=config.max_replica_lag)
-        if created:
-            _prestarted.add(naming.replica_name(run))
+        if created:   # the name _place_replica looks for (a shard run's: the replica host of this node)
+            _prestarted.add(lineages.replica_host_name(lineages.job_of(run), ray.get_runtime_context().get_node_id())
+                            if lineages.is_shard_run(run) else naming.replica_name(run))
 
 
 def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts: int = 3):
@@ -110,22 +119,27 @@ def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts
     this call has just created (it holds no state yet) is re-placed, up to ``attempts`` times, before a WARNING
     says where it stayed. An existing replica is never moved: it may hold the live state."""
     me = ray.get_runtime_context().get_node_id()
+    shard = lineages.is_shard_run(run)
+    name = lineages.replica_host_name(lineages.job_of(run), me) if shard else naming.replica_name(run)
     for attempt in range(attempts):
         target = _replica_node()
         replica, created = get_or_create_replica(run, target, storage, full_every=full_every, max_lag=max_lag)
-        if naming.replica_name(run) in _prestarted:   # prestart() created it for this attach: not yet placed
-            _prestarted.discard(naming.replica_name(run))
+        if name in _prestarted:   # prestart() created it for this attach: not yet placed
+            _prestarted.discard(name)
             created = True
         where = ray.get(replica.ping.remote())
         peers = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != me]
         if where != me or not peers:
             return replica
+        # a shard run's replica host serves every rank of this node: re-placed only while it serves this one alone
+        if shard and created:
+            created = ray.get(replica.host.lineages.remote()) == [run]
         if not created or attempt == attempts - 1:
             break
         log.info("ray_ckpt: replica of run %r landed on the trainer's node %s instead of %s; placing it again",
                  run, me[:8], target[:8])
-        ray.kill(replica, no_restart=True)
-        _wait_name_free(naming.replica_name(run))
+        ray.kill(getattr(replica, "host", replica), no_restart=True)
+        _wait_name_free(name)
     log.warning("ray_ckpt: the state-tier replica of run %r runs on the trainer's node %s (its peer was "
                 "unavailable when it was placed): losing this node loses the replica too; restores then "
                 "use the durable chain", run, me[:8])
@@ -172,7 +186,7 @@ def policy_report(storage, run: str | None = None, timeout: float = 30.0) -> dic
 def coordinator(storage, run: str | None = None):
     """The run's coordinator handle, or None when it does not exist."""
     try:
-        return ray.get_actor(naming.coordinator_name(run_name(storage, run)), namespace=naming.NAMESPACE)
+        return lineages.coordinator(run_name(storage, run))
     except ValueError:
         return None
 
@@ -207,7 +221,7 @@ def load_via_coordinator(storage, step: int | None, *, run: str | None = None,
     snap = None
     if "replica" in plan:
         try:
-            replica = ray.get_actor(naming.replica_name(run_name(storage, run)), namespace=naming.NAMESPACE)
+            replica = lineages.replica(run_name(storage, run))
             snap = ray.get(replica.snapshot.remote(plan["generation"], plan["step"]), timeout=timeout)
         except Exception as e:  # noqa: BLE001 - the replica is gone: the chain is complete without it
             log.info("ray_ckpt: replica unavailable (%s); restoring from the chain", e)
@@ -226,9 +240,10 @@ def record_restore(storage, run: str | None, seconds: float) -> None:
 
 
 class ShardedMemoryTier:
-    """``runtime="ray"`` restores of sharded (FSDP2) state: every shard lineage is a run of its own (its
-    coordinator, node workers and replica; :func:`ray_ckpt.engine.sharded.shard_run`), so the steps a restore may
-    take are those every shard run's coordinator plans (newer than storage while diffs are held in memory), and
+    """``runtime="ray"`` restores of sharded (FSDP2) state: every shard lineage is a shard run of its job (its
+    lineage of the job's coordinator, node workers and replicas; :mod:`ray_ckpt.runtime.lineages`), so the steps
+    a restore may take are those every shard run's coordinator plans (newer than storage while diffs are held in
+    memory), and
     each shard's chain is loaded as :func:`load_via_coordinator` loads it (from its replica's state: nothing to
     replay). Shards without a live coordinator are read from storage. Training process of each rank.
     ``tiers`` counts what the loads used."""
@@ -240,10 +255,10 @@ class ShardedMemoryTier:
         self.tiers = {"memory": 0, "durable": 0, "replica": 0, "replayed": 0}
 
     def _coordinators(self, storage, world: int) -> list | None:
-        from ray_ckpt.engine.sharded import shard_run, shard_storage
+        from ray_ckpt.engine.sharded import shard_storage
         out = []
         for rank in range(world):
-            c = coordinator(shard_storage(storage, world, rank), shard_run(self.run, world, rank))
+            c = coordinator(shard_storage(storage, world, rank), shard_lineage_run(storage, self.run, world, rank))
             if c is None:
                 return None
             out.append(c)
@@ -293,10 +308,10 @@ class ShardedMemoryTier:
     def load(self, storage, world: int, rank: int, step: int) -> LoadedChain:
         """Shard ``rank`` of ``world`` at ``step``: through its run's coordinator (memory tier, replica), else
         from storage."""
-        from ray_ckpt.engine.sharded import load_shard, shard_run, shard_storage
+        from ray_ckpt.engine.sharded import load_shard, shard_storage
         try:
-            got = load_via_coordinator(shard_storage(storage, world, rank), step, run=shard_run(self.run, world, rank),
-                                       timeout=self.timeout)
+            got = load_via_coordinator(shard_storage(storage, world, rank), step,
+                                       run=shard_lineage_run(storage, self.run, world, rank), timeout=self.timeout)
         except NoCheckpointError:
             got = None
         except (ray.exceptions.RayError, TimeoutError) as e:   # its coordinator is gone: storage has the chain

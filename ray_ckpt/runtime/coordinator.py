@@ -39,10 +39,10 @@ from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.policy import FixedFrequencyPolicy
 from ray_ckpt.policy import adaptive as _adaptive
 from ray_ckpt.lineage import index as _lineage_index
-from ray_ckpt.engine.lease import Lease, LeaseLost
+from ray_ckpt.engine.lease import Lease, LeaseLost, describe, read_lease
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import drain as drain_watch
-from ray_ckpt.runtime import naming
+from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.placement import prefer_node
 from ray_ckpt.lineage import drains as drain_records
 
@@ -88,7 +88,7 @@ class _Replica:
 
 class Coordinator:
     def __init__(self, run: str, storage, full_every: int, batch_steps: int, keep_fulls: int = 0,
-                 max_replica_lag: int = 100, policy_options: dict | None = None):
+                 max_replica_lag: int = 100, policy_options: dict | None = None, hosted: bool = False):
         self.run = run
         self.max_replica_lag = max_replica_lag
         self.replica: _Replica | None = None
@@ -121,10 +121,12 @@ class Coordinator:
         self._reporters: dict[str, float] = {}   # node -> when its last update arrived (see report_interval)
         self._reporters_pruned = 0.0
         self._parsed: dict[bytes, Manifest] = {}   # manifest bytes -> Manifest (insertion order: oldest first)
-        threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
+        # hosted (a shard lineage of a job's CoordinatorHost): the host's one ticker and drain watch serve it
+        if not hosted:
+            threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
         self.drains: dict[str, dict] = {}        # node -> its drain record (lineage/drains.py), see drains_changed
         self._draining: dict[str, int] = {}      # the GCS drain state: node -> deadline ms (0: none)
-        self._drain_watch = drain_watch.start_coordinator_watch(run)
+        self._drain_watch = None if hosted else drain_watch.start_coordinator_watch(run)
         # the adaptive policy: fed by commits and failures; pinned values never change
         self.tuner = _adaptive.make_tuner(full_every, batch_steps, started_at=self.started_at,
                                           **(policy_options or {}))
@@ -147,18 +149,14 @@ class Coordinator:
 
     def _rebuild(self) -> None:
         self._refresh_durable()
-        for name in ray.util.list_named_actors(all_namespaces=True):
-            aname = name["name"] if isinstance(name, dict) else name
-            if not aname.startswith(naming.worker_prefix(self.run)):
-                continue
-            node = aname[len(naming.worker_prefix(self.run)):]
+        for node in sorted(lineages.worker_nodes(self.run)):
             if node not in self._alive_nodes():
                 continue
             try:
-                worker = ray.get_actor(aname, namespace=naming.NAMESPACE)
-                inv = ray.get(worker.inventory.remote(), timeout=30)
+                inv = ray.get(lineages.worker(self.run, node).inventory.remote(), timeout=30)
             except Exception as e:  # noqa: BLE001
-                log.warning("ray_ckpt coordinator: worker %s did not answer: %s", aname, e)
+                log.warning("ray_ckpt coordinator: the worker of run %r on node %s did not answer: %s",
+                            self.run, node[:12], e)
                 continue
             for mjson, refs, durable in inv:
                 self._add(Manifest.from_json(mjson), node, refs, durable)
@@ -191,7 +189,7 @@ class Coordinator:
                  and e.manifest.last_step <= step and not e.durable for n in e.holders if n in alive}
         for node in nodes:
             try:
-                ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).cover.remote(gen, step)
+                lineages.worker(self.run, node).cover.remote(gen, step)
             except ValueError:
                 pass
 
@@ -215,17 +213,12 @@ class Coordinator:
         """``{node: handle}`` of the run's persistence workers on ``nodes`` that exist: one listing of the named
         actors, then a lookup only of those (a wide job's worker starts each ask every node: one failed lookup
         per node without a worker cost a round trip to Ray's control store each)."""
-        prefix = naming.worker_prefix(self.run)
-        named = set()
-        for info in ray.util.list_named_actors(all_namespaces=True):
-            aname = info["name"] if isinstance(info, dict) else info
-            if aname.startswith(prefix):
-                named.add(aname[len(prefix):])
+        named = lineages.worker_nodes(self.run)
         out = {}
         for node in nodes:
             if node in named:
                 try:
-                    out[node] = ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE)
+                    out[node] = lineages.worker(self.run, node)
                 except ValueError:
                     pass
         return out
@@ -499,7 +492,7 @@ class Coordinator:
     def _ask_replica(self) -> None:
         """A restarted coordinator does not know the replica's progress until its next report: ask it."""
         try:
-            replica = ray.get_actor(naming.replica_name(self.run), namespace=naming.NAMESPACE)
+            replica = lineages.replica(self.run)
             st = ray.get(replica.status.remote(), timeout=10)
         except Exception as e:  # noqa: BLE001 - no replica (or it is restarting): restore from the chain
             log.debug("ray_ckpt coordinator: no replica status (%s)", e)
@@ -567,9 +560,21 @@ class Coordinator:
                 self._write_drain(rec)
         for node in new:
             deadline = self._draining[node]
+            prior = None if node in self.drains else drain_records.find_open(self.storage, node, deadline)
+            if prior is not None:   # this coordinator restarted during the drain: its record goes on
+                self.drains[node] = prior
+                log.info("ray_ckpt coordinator: run %r: node %s is still draining: continuing its drain record",
+                         self.run, node[:12])
+                continue
+            gen = self._last_generation
             self.drains[node] = rec = {"node": node, "noticed_ms": now_ms, "deadline_ms": deadline,
-                                       "generation": self._last_generation, "status": "draining",
-                                       "held": [], "durable": [], "peer": [], "unsafe": []}
+                                       "generation": gen, "status": "draining",
+                                       "held": [], "durable": [], "peer": [], "unsafe": [],
+                                       # the newest step durable at the notice: what the node receives past it
+                                       # counts as held there even when it is written before the next poll
+                                       "durable_before": max((e.manifest.last_step for e in self.entries.values()
+                                                              if e.durable and e.manifest.generation == gen),
+                                                             default=-1)}
             log.warning("ray_ckpt coordinator: run %r: node %s is draining (%s): making the steps it holds safe on "
                         "the nodes that stay", self.run, node[:12],
                         f"deadline in {deadline / 1000.0 - now_ms / 1000.0:.1f} s" if deadline else "no deadline")
@@ -592,13 +597,14 @@ class Coordinator:
         if r is None or r.node not in self._draining:
             return
         try:
-            handle = ray.get_actor(naming.replica_name(self.run), namespace=naming.NAMESPACE)
+            handle = lineages.replica(self.run)
         except ValueError:
             return
         log.warning("ray_ckpt coordinator: run %r: the state-tier replica is on draining node %s: restarting it on "
                     "a node that stays (it rebuilds from the lineage; the trainer takes fulls meanwhile)",
                     self.run, r.node[:12])
-        ray.kill(handle, no_restart=False)
+        # a shard lineage's replica moves with its host (the replicas of the ranks of one node)
+        ray.kill(getattr(handle, "host", handle), no_restart=False)
         self.replica = _Replica(r.generation, r.step, r.node, False, "moving off a draining node")
 
     def drain_progress(self) -> bool:
@@ -625,9 +631,10 @@ class Coordinator:
                 continue
             gen = rec["generation"]
             # what it holds, and (once it is gone, the last reports before that included) what it received
+            since = rec.get("durable_before", float("inf"))   # (a record of an older coordinator: none)
             held = _union([], [(e.manifest.first_step, e.manifest.last_step) for e in self.entries.values()
-                               if (node in e.holders or e.origin == node) and not e.durable
-                               and e.manifest.generation == gen])
+                               if (node in e.holders or e.origin == node) and e.manifest.generation == gen
+                               and (not e.durable or e.manifest.first_step > since)])
             held = _union(rec["held"], held)
             floor = self._durable_floor(gen)   # durable_diffs="fulls": a durable full covers the steps before it
             if floor is not None:
@@ -822,8 +829,7 @@ class Coordinator:
                 self.storage.delete(m.object)
             for node in list(e.holders):
                 try:
-                    ray.get_actor(naming.worker_name(self.run, node),
-                                  namespace=naming.NAMESPACE).release.remote([m.name])
+                    lineages.worker(self.run, node).release.remote([m.name])
                 except ValueError:
                     pass
             del self.entries[m.name]
@@ -878,6 +884,94 @@ def _head_node_affinity():
     return {}
 
 
+class CoordinatorHost(lineages.LineageHost):
+    """The coordinator of a sharded job (:mod:`ray_ckpt.runtime.lineages`): one :class:`Coordinator` per shard
+    lineage of the job, each with its own state, lease and policy, opened by :meth:`open_lineage` (or, after a
+    restart of this actor, by the first call naming it: it rebuilds from storage and the workers' inventories
+    as a restarted coordinator does). One ticker thread publishes every lineage's metrics and renews their
+    leases; one drain watch tells every lineage of node drains. Calls run one at a time, as in a run's
+    coordinator. Coordinator host actor; its methods are called remotely."""
+
+    def __init__(self, job: str, root, full_every: int, batch_steps: int, keep_fulls: int = 0,
+                 max_replica_lag: int = 100, policy_options: dict | None = None):
+        self._host_init(job)
+        self.root = root
+        self._args = (full_every, batch_steps, keep_fulls, max_replica_lag, policy_options)
+        self._reporting = (0.0, 0)   # (when counted, workers reporting to any lineage), see lineage_call
+        threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
+        self._drain_watch = drain_watch.start_coordinator_watch(job)
+
+    def _lineage(self, run: str, opening: bool):
+        return super()._lineage(run, True)   # any call may (re)open a lineage of the job
+
+    def _open(self, run: str) -> Coordinator:
+        c = Coordinator(run, lineages.lineage_storage(self.root, run), *self._args, hosted=True)
+        # opened by a call that is not its attach (this host restarted, or a restore plans from it): it renews
+        # the lineage's lease only while the lease is its run's (else a restore's plan would log a lost lease)
+        rec = read_lease(c.storage) if c.lease.enabled else {"run": run}
+        if rec is None or rec.get("run") != run:
+            c.lease_lost = f"not renewed: the lease of {c.storage.describe()} is not run {run!r}'s"
+            log.info("ray_ckpt coordinator: lineage %r opened without its lease (%s)", run,
+                     "none" if rec is None else describe(rec))
+        return c
+
+    def _each(self) -> list:
+        return list(self._lineages.values())
+
+    def lineage_call(self, run: str, method: str, args: tuple = (), kwargs: dict | None = None):
+        """As :meth:`LineageHost.lineage_call`; an ``update`` answers the report interval that keeps the calls
+        of every lineage's workers together near ``REPORT_CALLS_PER_S`` (each lineage counts only its own
+        reporters: 2 nodes per lineage would let a 1,024-rank job make 40,000 calls a second)."""
+        out = super().lineage_call(run, method, args, kwargs)
+        if method == "update":
+            now = time.monotonic()
+            if now - self._reporting[0] > 1.0:
+                self._reporting = (now, sum(len(c._reporters) for c in self._each()))
+            out = max(out, self._reporting[1] / REPORT_CALLS_PER_S)
+        return out
+
+    def open_lineage(self, run: str, storage_uri: str) -> None:
+        """Open lineage ``run`` for an attach, which has taken its lease (:func:`get_or_create_coordinator`):
+        renewed from now on."""
+        c = self._lineage(run, True)
+        if c.storage.describe() != storage_uri:
+            raise ValueError(f"shard run {run!r} checkpoints to {c.storage.describe()}, not {storage_uri}: "
+                             f"use another run name")
+        if c.lease_lost is not None and (read_lease(c.storage) or {}).get("run") == run:
+            c.lease_lost = None
+
+    _tick = Coordinator._tick
+
+    def publish_metrics(self) -> None:
+        for c in self._each():
+            c.publish_metrics()
+
+    def renew_lease(self) -> None:
+        for c in self._each():
+            c.renew_lease()
+
+    def release_lease(self) -> None:
+        """Delete every lineage's lease (end of the job)."""
+        for c in self._each():
+            c.release_lease()
+
+    def drains_changed(self, drains: dict) -> None:
+        for c in self._each():
+            c.drains_changed(drains)
+
+    def drain_progress(self) -> bool:
+        return any([c.drain_progress() for c in self._each()])
+
+    def worker_host_started(self, node_id: str) -> None:
+        """The job's worker host on ``node_id`` restarted: it holds nothing for any lineage (as a restarted
+        worker of a run tells its coordinator)."""
+        for c in self._each():
+            c.worker_started(node_id)
+
+
+_host_cls = None
+
+
 def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int, keep_fulls: int = 0,
                               max_replica_lag: int = 100, policy_options: dict | None = None,
                               takeover: bool = False):
@@ -885,8 +979,15 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
 
     Creating it takes the lineage's writer lease for the run (:mod:`ray_ckpt.engine.lease`): when another job
     writes ``storage``, :class:`~ray_ckpt.engine.lease.LeaseError` names it here, in the caller (``takeover``
-    replaces a gone job's lease). The coordinator renews the lease and :func:`shutdown_run` releases it."""
+    replaces a gone job's lease). The coordinator renews the lease and :func:`shutdown_run` releases it.
+
+    A shard run (:func:`ray_ckpt.runtime.lineages.is_shard_run`) gets its lineage of the job's
+    :class:`CoordinatorHost` (a :class:`~ray_ckpt.runtime.lineages.LineageHandle`, called as the actor is):
+    one coordinator actor per sharded job, whatever its number of ranks."""
     global _remote_cls
+    if lineages.is_shard_run(run):
+        return _shard_coordinator(run, storage, takeover=takeover,
+                                  args=(full_every, batch_steps, keep_fulls, max_replica_lag, policy_options))
     name = naming.coordinator_name(run)
     try:
         return ray.get_actor(name, namespace=naming.NAMESPACE)
@@ -902,9 +1003,62 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
                                                                                max_replica_lag, policy_options)
 
 
+def _shard_coordinator(run: str, storage, *, takeover: bool, args: tuple):
+    """The lineage ``run`` of its job's coordinator host (created detached, head node preferred, if missing),
+    opened with its lease taken. Any process connected to Ray (the training process of a rank, at attach)."""
+    global _host_cls
+    job = lineages.job_of(run)
+    name = lineages.coordinator_host_name(job)
+    try:
+        host = ray.get_actor(name, namespace=naming.NAMESPACE)
+    except ValueError:
+        host = None
+    # the lease at every attach (shared with the run's earlier attaches): the lineage may have been opened
+    # without it (a restore planned from it, or this host restarted after the job's lease was released)
+    Lease(storage, run=run).acquire(takeover=takeover)
+    if host is None:
+        if _host_cls is None:
+            _host_cls = ray.remote(CoordinatorHost)
+        host = _host_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
+                                 max_restarts=-1, max_task_retries=-1, num_cpus=0,
+                                 **_head_node_affinity()).remote(job, lineages.root_storage(storage, run), *args)
+    ray.get(host.open_lineage.remote(run, storage.describe()), timeout=120)
+    return lineages.LineageHandle(host, run)
+
+
+def shard_runs(job: str, timeout: float = 30.0) -> list[str]:
+    """The shard lineages that the coordinator host of ``job`` holds (none without a host). Any process."""
+    try:
+        host = ray.get_actor(lineages.coordinator_host_name(job), namespace=naming.NAMESPACE)
+        return ray.get(host.lineages.remote(), timeout=timeout)
+    except ValueError:
+        return []
+
+
+def shutdown_job(job: str) -> None:
+    """The end of a sharded job with ``runtime="ray"``: release every shard lineage's lease and kill the job's
+    hosts (coordinator, node workers, replicas; their memory tier is lost, storage stays). Any process."""
+    try:
+        host = ray.get_actor(lineages.coordinator_host_name(job), namespace=naming.NAMESPACE)
+        ray.get(host.release_lease.remote(), timeout=60)
+    except Exception as e:  # noqa: BLE001 - gone already, or unreachable: the leases then go stale
+        log.info("ray_ckpt: job %r: shard leases not released by its coordinator (%s)", job, e)
+    names = [info["name"] if isinstance(info, dict) else info
+             for info in ray.util.list_named_actors(all_namespaces=True)]
+    for aname in lineages.host_names(job, names):
+        try:
+            ray.kill(ray.get_actor(aname, namespace=naming.NAMESPACE), no_restart=True)
+        except ValueError:
+            pass
+
+
 def shutdown_run(run: str) -> None:
     """Release the run's writer lease and kill its coordinator and persistence workers (their memory tier is
-    lost; storage stays)."""
+    lost; storage stays). A shard run: its job's actors serve every rank, so they stop with the job
+    (:func:`shutdown_job`, which this is for any of its shard runs)."""
+    if lineages.is_shard_run(run):
+        shutdown_job(lineages.job_of(run))
+        return
     try:
         coord = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
         ray.get(coord.release_lease.remote(), timeout=30)

@@ -29,7 +29,7 @@ from typing import Callable
 
 import ray
 
-from ray_ckpt.runtime import naming
+from ray_ckpt.runtime import lineages
 
 log = logging.getLogger("ray_ckpt")
 
@@ -123,8 +123,8 @@ def start_coordinator_watch(run: str) -> NodeWatch | None:
 
 def worker_handle(run: str, node: str):
     """The run's persistence worker of ``node`` (None when it has none)."""
-    try:
-        return ray.get_actor(naming.worker_name(run, node), namespace=naming.NAMESPACE)
+    try:   # a shard run's worker is its lineage of the job's host on that node
+        return lineages.worker(run, node)
     except ValueError:
         return None
 

@@ -1,5 +1,7 @@
 """Names of the runtime's Ray actors. A *run* is one lineage (one storage root); its actors are named after it
-so that any process of the run (training workers, the driver, a restarted driver) finds the same ones."""
+so that any process of the run (training workers, the driver, a restarted driver) finds the same ones. The shard
+runs of a sharded job have no actors of their own: the job's hosts serve them (:mod:`ray_ckpt.runtime.lineages`,
+which names those)."""
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +35,9 @@ def replica_name(run: str) -> str:
 
 def shard_runs(run: str, actor_names) -> list[str]:
     """The shard runs of ``run`` (sharded FSDP2 state with runtime='ray', named by
-    :func:`ray_ckpt.engine.sharded.shard_run`) that have actors among ``actor_names`` (e.g. from
-    ``ray.util.list_named_actors``), sorted."""
+    :func:`ray_ckpt.engine.sharded.shard_run`) that have actors of their own among ``actor_names`` (e.g. from
+    ``ray.util.list_named_actors``), sorted: the per-rank actors of earlier versions (the shard runs of a job are
+    served by its hosts now: :func:`ray_ckpt.runtime.coordinator.shard_runs` lists them)."""
     head = f"ray_ckpt:{run}{SHARD_RUN_TAG}"
     out = set()
     for name in actor_names:

@@ -37,7 +37,7 @@ from ray_ckpt.engine.strategy import decode_object, impl_by_name
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
 from ray_ckpt.lineage import Manifest, full_name, object_key
-from ray_ckpt.runtime import naming
+from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.buffers import as_buffers, join
 from ray_ckpt.runtime.plan_reader import load_plan
 
@@ -46,6 +46,10 @@ log = logging.getLogger("ray_ckpt")
 #: :meth:`ReplicaActor.snapshot` stops waiting for the replica to reach the restored step after this long
 #: without progress (one application of a step on a large model takes well under a second).
 SNAPSHOT_STALL_S = 2.0
+
+
+def _none_answer() -> None:
+    return None
 
 
 class ReplicaActor:
@@ -144,7 +148,7 @@ class ReplicaActor:
     # -- replica thread ----------------------------------------------------------------------------------------
     def _coord(self):
         if self._coordinator is None:
-            self._coordinator = ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
+            self._coordinator = lineages.coordinator(self.run)
         return self._coordinator
 
     def _fail_locked(self, reason: str) -> None:
@@ -326,14 +330,74 @@ class ReplicaActor:
         self._install(shadow, plan["generation"])
 
 
+class ReplicaHost(lineages.LineageHost):
+    """The state-tier replicas of a sharded job's ranks on one node (:mod:`ray_ckpt.runtime.lineages`), run on
+    that node's ring peer: one :class:`ReplicaActor` per shard lineage, opened at attach
+    (:func:`get_or_create_replica`) or by its first chunk (:meth:`~ReplicaActor.feed`; after a restart of this
+    actor each lineage rebuilds itself from the lineage, as a restarted replica does). Replica host actor
+    (threaded); its methods are called remotely."""
+
+    OPENING = frozenset({"feed", "ping"})
+    ABSENT = {"snapshot": _none_answer}
+
+    def __init__(self, job: str, root, full_every: int, max_lag: int):
+        self._host_init(job)
+        self.root = root
+        self.full_every = full_every
+        self.max_lag = max_lag
+
+    def _open(self, run: str) -> ReplicaActor:
+        return ReplicaActor(run, lineages.lineage_storage(self.root, run), self.full_every, self.max_lag)
+
+    def open_lineage(self, run: str) -> bool:
+        """Open lineage ``run``; returns whether it was new here."""
+        new = run not in self._lineages
+        self._lineage(run, True)
+        return new
+
+
 _remote_cls = None
+_host_cls = None
+
+
+def _shard_replica(run: str, node_id: str, storage, *, full_every: int, max_lag: int):
+    """``(handle, created)`` of a shard run's replica: its lineage of the replica host of the calling (the
+    trainer's) node, the host created on ``node_id`` if missing. The lineage is dropped from the job's other
+    replica hosts (a rank that moved to this node: its old replica's state was restored from already).
+    Training process."""
+    global _host_cls
+    from ray_ckpt.runtime.placement import prefer_node
+    job = lineages.job_of(run)
+    me = ray.get_runtime_context().get_node_id()
+    name = lineages.replica_host_name(job, me)
+    try:
+        host = ray.get_actor(name, namespace=naming.NAMESPACE)
+    except ValueError:
+        if _host_cls is None:
+            _host_cls = ray.remote(ReplicaHost)
+        host = _host_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
+                                 max_restarts=-1, max_task_retries=-1, max_concurrency=16, num_cpus=0,
+                                 **prefer_node(node_id)).remote(job, lineages.root_storage(storage, run),
+                                                                full_every, max_lag)
+    created = ray.get(host.open_lineage.remote(run), timeout=120)
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        other = info["name"] if isinstance(info, dict) else info
+        if other.startswith(lineages.replica_host_prefix(job)) and other != name:
+            try:
+                ray.get_actor(other, namespace=naming.NAMESPACE).drop_lineage.remote(run)
+            except ValueError:
+                pass
+    return lineages.LineageHandle(host, run), created
 
 
 def get_or_create_replica(run: str, node_id: str, storage, *, full_every: int, max_lag: int):
     """``(handle, created)``: the run's replica actor, created on ``node_id`` (soft affinity) if missing; ``created``
-    says whether this call created it. Any process."""
+    says whether this call created it. Any process; for a shard run, the training process of its rank (its
+    lineage of the job's :class:`ReplicaHost` of this node: one replica actor per node that runs ranks)."""
     global _remote_cls
     from ray_ckpt.runtime.placement import prefer_node
+    if lineages.is_shard_run(run):
+        return _shard_replica(run, node_id, storage, full_every=full_every, max_lag=max_lag)
     name = naming.replica_name(run)
     try:
         return ray.get_actor(name, namespace=naming.NAMESPACE), False

@@ -48,7 +48,7 @@ from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.policy.budget import choose_durable
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import drain as drain_watch
-from ray_ckpt.runtime import naming
+from ray_ckpt.runtime import lineages
 from ray_ckpt.runtime.shared import SharedArena, SharedMemoryUnavailable
 from ray_ckpt.runtime.worker import get_or_create_worker
 
@@ -139,7 +139,7 @@ class RaySink(BoundedSink):
         self.write_timeout = config.write_timeout
         self.worker = get_or_create_worker(run, self.node_id, storage, config.memory_budget, config.write_timeout)
         ray.get(self.worker.ping.remote())  # started and ready before the first step is handed over
-        self._coordinator = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
+        self._coordinator = lineages.coordinator(run)   # a shard run's: its lineage of the job's coordinator
         self._incarnation: str | None = None
         self._retired: set[str] = set()   # incarnations of this node's worker seen replaced
         self._unsafe: "collections.OrderedDict[str, _Chunk]" = collections.OrderedDict()
@@ -215,7 +215,7 @@ class RaySink(BoundedSink):
             out["worker"] = {"error": str(e)}
         if self.replica_enabled:
             try:
-                rep = ray.get_actor(naming.replica_name(self.run), namespace=naming.NAMESPACE)
+                rep = lineages.replica(self.run, self.node_id if lineages.is_shard_run(self.run) else None)
                 out["replica"] = ray.get(rep.status.remote(), timeout=timeout)
             except Exception as e:  # noqa: BLE001
                 out["replica"] = {"error": str(e)}

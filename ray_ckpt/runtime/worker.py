@@ -51,7 +51,7 @@ from ray_ckpt.format import checksum, segments
 from ray_ckpt.lineage import Manifest, diff_name, object_key
 from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.runtime import metrics as _metrics
-from ray_ckpt.runtime import naming, shared
+from ray_ckpt.runtime import lineages, naming, shared
 from ray_ckpt.runtime.buffers import as_buffers
 from ray_ckpt.runtime.drain import draining_nodes
 from ray_ckpt.storage.retry import RetryPolicy
@@ -144,7 +144,7 @@ class PersistenceWorker:
     # -- helpers ---------------------------------------------------------------------------------------------
     def _coord(self):
         if self._coordinator is None:
-            self._coordinator = ray.get_actor(naming.coordinator_name(self.run), namespace=naming.NAMESPACE)
+            self._coordinator = lineages.coordinator(self.run)
         return self._coordinator
 
     def _report(self, msg) -> None:
@@ -205,8 +205,8 @@ class PersistenceWorker:
         now = time.monotonic()
         if self._replica_cache is not None and now - self._replica_cache[0] < 2.0:
             return self._replica_cache[1]
-        try:
-            handle = ray.get_actor(naming.replica_name(self.run), namespace=naming.NAMESPACE)
+        try:   # a shard run's replica: its lineage of the replica host of this (the trainer's) node
+            handle = lineages.replica(self.run, self.node_id if lineages.is_shard_run(self.run) else None)
         except ValueError:
             handle = None
         self._replica_cache = (now, handle)
@@ -649,7 +649,7 @@ class PersistenceWorker:
             self._cv.notify_all()
         for node, names in peers.items():
             try:
-                ray.get_actor(naming.worker_name(self.run, node), namespace=naming.NAMESPACE).mark_durable.remote(names)
+                lineages.worker(self.run, node).mark_durable.remote(names)
             except ValueError:
                 pass
 
@@ -708,15 +708,63 @@ def _actor_options(name: str, node_id: str) -> dict:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
 
 
+def _none() -> None:
+    return None
+
+
+class WorkerHost(lineages.LineageHost):
+    """The persistence worker of a sharded job on one node (:mod:`ray_ckpt.runtime.lineages`): one
+    :class:`PersistenceWorker` per shard lineage that this node's ranks write (opened by their first
+    :meth:`~PersistenceWorker.submit`) or whose chunks it keeps for a peer node (opened by the first
+    :meth:`~PersistenceWorker.hold_replica`), each with its own memory tier, write queue and threads and the
+    budget this host was created with (the node's share of one rank). A restarted host holds nothing: it tells
+    the job's coordinator, whose lineages forget what this node held and have peers persist it, as for a
+    restarted worker of a run. Worker host actor (node-pinned, threaded); its methods are called remotely."""
+
+    OPENING = frozenset({"submit", "hold_replica", "ping", "poll"})   # the rank's sink pings and polls it first
+    ABSENT = {"inventory": list, "persist": list, "persist_origin": list, "cover": int, "release": _none,
+              "mark_durable": _none, "drain_notice": dict, "flush": dict, "stats": dict}
+
+    def __init__(self, job: str, root, memory_budget: int, write_timeout: float = 300.0):
+        self._host_init(job)
+        self.root = root
+        self.memory_budget = memory_budget
+        self.write_timeout = write_timeout
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            try:
+                ray.get_actor(lineages.coordinator_host_name(job), namespace=naming.NAMESPACE
+                              ).worker_host_started.remote(ray.get_runtime_context().get_node_id())
+            except ValueError:
+                pass
+
+    def _open(self, run: str) -> PersistenceWorker:
+        return PersistenceWorker(run, lineages.lineage_storage(self.root, run), self.memory_budget,
+                                 write_timeout=self.write_timeout)
+
+
 _remote_cls = None
+_host_cls = None
 
 
 def get_or_create_worker(run: str, node_id: str, storage, memory_budget: int, write_timeout: float = 300.0):
     """The PersistenceWorker of ``node_id`` for ``run`` (created pinned to that node if missing). Any process.
 
-    Creation is idempotent across processes (``get_if_exists``): concurrent callers get the same actor.
+    Creation is idempotent across processes (``get_if_exists``): concurrent callers get the same actor. A shard
+    run gets its lineage of the job's :class:`WorkerHost` on ``node_id`` (one actor per node and job, whatever
+    the number of ranks; the lineage opens at its first chunk).
     """
-    global _remote_cls
+    global _remote_cls, _host_cls
+    if lineages.is_shard_run(run):
+        name = lineages.worker_host_name(lineages.job_of(run), node_id)
+        try:
+            host = ray.get_actor(name, namespace=naming.NAMESPACE)
+        except ValueError:
+            if _host_cls is None:
+                _host_cls = ray.remote(WorkerHost)
+            opts = {**_actor_options(name, node_id), "max_concurrency": 32}
+            host = _host_cls.options(**opts).remote(lineages.job_of(run), lineages.root_storage(storage, run),
+                                                    memory_budget, write_timeout=write_timeout)
+        return lineages.LineageHandle(host, run)
     name = naming.worker_name(run, node_id)
     try:
         return ray.get_actor(name, namespace=naming.NAMESPACE)

@@ -1,0 +1,54 @@
+"""The goodput benchmark's pure parts: the seeded failure schedule, Young/Daly, ETTR and the per-failure breakdown
+read from the logs (no Ray, no training, no timing assertions)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import goodput
+
+
+def test_the_schedule_is_seeded_balanced_and_clipped():
+    a = goodput.make_schedule(3, 6, mean_gap_s=7.0, min_gap_s=4.0, max_gap_s=12.0)
+    assert a == goodput.make_schedule(3, 6, mean_gap_s=7.0, min_gap_s=4.0, max_gap_s=12.0)   # same seed, same list
+    assert a != goodput.make_schedule(4, 6, mean_gap_s=7.0, min_gap_s=4.0, max_gap_s=12.0)
+    assert sorted(f["kind"] for f in a) == ["kill", "kill", "node", "node", "preempt", "preempt"]
+    assert all(4.0 <= f["gap_s"] <= 12.0 and f["rank"] in (0, 1) for f in a)
+    assert [f["i"] for f in a] == list(range(6))
+    assert goodput.mtbf(a) == pytest.approx(sum(f["gap_s"] for f in a) / 6)
+    assert goodput.mtbf([]) == math.inf
+    with pytest.raises(ValueError):
+        goodput.make_schedule(0, 3, 7.0, min_gap_s=5.0, max_gap_s=4.0)
+
+
+def test_young_daly_and_ettr():
+    # sqrt(2 * 0.05 s * 8 s) = 0.894 s = 8.9 steps of 0.1 s
+    assert goodput.young_daly_steps(0.05, 8.0, 0.1) == 9
+    assert goodput.young_daly_steps(1e-6, 1.0, 10.0) == 1          # never less than every step
+    with pytest.raises(ValueError):
+        goodput.young_daly_steps(0.0, 8.0, 0.1)
+    assert goodput.ettr(60.0, 80.0) == pytest.approx(0.75)
+    s = goodput.spread([0.9, None, 0.8, 1.0])
+    assert s["n"] == 3 and s["mean"] == pytest.approx(0.9) and (s["min"], s["max"]) == (0.8, 1.0)
+    assert goodput.spread([None])["mean"] is None
+
+
+def test_the_breakdown_splits_fault_to_first_step_into_its_phases():
+    steps = [(100.0 + 0.1 * i, i + 1) for i in range(20)]                 # steps 1..20 until t=101.9
+    steps += [(110.0 + 0.1 * i, 16 + i) for i in range(5)]                # resumed at 15: 16.. from t=110
+    events = [(99.0, "enter", {}), (99.5, "restored", {"start": 0}),
+              (108.0, "enter", {}), (109.5, "restored", {"start": 15, "phases": {"restore": 1.0}})]
+    states = [(99.2, "RunningState"), (103.0, "RestartingState"), (104.0, "SchedulingState"), (108.5, "RunningState")]
+    b = goodput.breakdown({"kind": "kill", "rank": 1, "t": 102.0}, steps, events, states)
+    assert b["last_step"] == 20 and b["restored_step"] == 15 and b["steps_lost"] == 5
+    assert (b["detection_s"], b["restart_s"], b["restore_s"], b["first_step_s"]) == \
+        pytest.approx((1.0, 5.0, 1.5, 0.5))
+    assert b["recovery_s"] == pytest.approx(8.0) and b["attach_phases"] == {"restore": 1.0}
+    # a preemption: the controller preempts at the notice but restarts at the deadline (the fault time)
+    p = goodput.breakdown({"kind": "preempt", "rank": 0, "t": 102.0, "t_notice": 98.0}, steps, events,
+                          [(98.5, "PreemptingState"), (102.5, "RestartingState")])
+    assert p["detection_s"] == pytest.approx(0.5)
+    # the run ended before it recovered: phases unknown, not zero
+    late = goodput.breakdown({"kind": "node", "rank": 0, "t": 200.0}, steps, events, states)
+    assert late["recovery_s"] is None and late["steps_lost"] is None and late["last_step"] == 20
