@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
 .PHONY: venv demo test test-fast reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber \
-	bench-coordinator bench-scale bench-startup bench-budget bench-goodput clean
+	bench-coordinator bench-scale bench-startup bench-budget bench-goodput bench-train-cpu clean
 
 venv: $(STAMP)
 
@@ -67,6 +67,12 @@ bench-fsdp: $(STAMP)
 # granularity chosen, lost-work bound, bytes and training-process CPU per step (~3 min)
 bench-budget: $(STAMP)
 	$(PY) -m benchmarks.budget
+
+# the training process's own CPU per recorded step under runtime="ray" (per thread, next to the copies it must
+# make), Ray pinned to one core and the trainer to the other; BEFORE=/path/to/another/tree adds that tree as a
+# second arm in paired blocks (a before/after of a change)
+bench-train-cpu: $(STAMP)
+	$(PY) -m benchmarks.train_cpu --arms $(if $(BEFORE),before=$(BEFORE) after=.,current=.)
 
 # the coordinator's periodic work against the length of a run (lineages of 10,000-360,000 steps; ~1 min)
 bench-coordinator: $(STAMP)
