@@ -30,7 +30,8 @@ import time
 from benchmarks import harness
 
 
-def _build(seed: int):
+def build_mlp(seed: int):
+    """The Fashion-MNIST-shaped MLP and its SGD optimizer (seeded)."""
     import torch
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 512), torch.nn.ReLU(),
@@ -38,7 +39,8 @@ def _build(seed: int):
     return m, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
 
 
-def _block(m, opt, data, n: int) -> list[float]:
+def timed_steps(m, opt, data, n: int) -> list[float]:
+    """``n`` training steps over ``data``; each step's wall seconds."""
     import torch
     out = []
     for i in range(n):
@@ -52,6 +54,29 @@ def _block(m, opt, data, n: int) -> list[float]:
     return out
 
 
+def paired_rounds(ck: tuple, plain: tuple, data, n: int, rounds: int) -> dict:
+    """``rounds`` pairs of ``n``-step blocks, the checkpointed replica ``ck`` = (model, optimizer) and the ``plain``
+    one in alternating order (ABBA): per round the overhead sample (ck mean step / plain mean step - 1) and both
+    means; the training thread's CPU in the ck blocks; the steps of each. Training thread."""
+    out = {"samples": [], "ck_means": [], "pl_means": [], "thread_ck": 0.0, "ck_steps": 0, "pl_steps": 0}
+    for r in range(rounds):
+        means = {}
+        for which in ([0, 1] if r % 2 == 0 else [1, 0]):
+            if which == 0:
+                c = time.thread_time()
+                ts = timed_steps(*ck, data, n)
+                out["thread_ck"] += time.thread_time() - c
+                out["ck_steps"] += n
+            else:
+                ts = timed_steps(*plain, data, n)
+                out["pl_steps"] += n
+            means[which] = statistics.fmean(ts)
+        out["samples"].append(means[0] / means[1] - 1)
+        out["ck_means"].append(means[0])
+        out["pl_means"].append(means[1])
+    return out
+
+
 def _body(cell: dict, out: dict) -> None:
     import torch
     torch.set_num_threads(1)
@@ -60,13 +85,13 @@ def _body(cell: dict, out: dict) -> None:
         harness.connect_ray(cell["address"])
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(16)]
-    plain, popt = _build(0)
-    ckm, copt = _build(0)
+    plain, popt = build_mlp(0)
+    ckm, copt = build_mlp(0)
     block, rounds = cell["block"], cell["rounds"]
-    _block(plain, popt, data, 100)                                     # warm-up
+    timed_steps(plain, popt, data, 100)                                     # warm-up
     p0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
     base_steps = 4 * block
-    _block(plain, popt, data, base_steps)
+    timed_steps(plain, popt, data, base_steps)
     base_cpu = (time.process_time() - p0) / base_steps
     base_thread = (time.thread_time() - t0) / base_steps
     base_wall = (time.perf_counter() - w0) / base_steps
@@ -76,26 +101,12 @@ def _body(cell: dict, out: dict) -> None:
     ck = ray_ckpt.Checkpointer(cell["uri"], ckm, copt, **kw)
     deadline = time.monotonic() + cell["settle_s"]
     while time.monotonic() < deadline:                                  # the policy measures and settles
-        _block(ckm, copt, data, block)
+        timed_steps(ckm, copt, data, block)
     s0 = ck.stats()
-    p0, t0 = time.process_time(), time.thread_time()
-    thread_ck = 0.0
-    samples, ck_steps, pl_steps = [], 0, 0
-    for r in range(rounds):
-        order = [0, 1] if r % 2 == 0 else [1, 0]
-        means = {}
-        for which in order:
-            if which == 0:
-                c = time.thread_time()
-                ts = _block(ckm, copt, data, block)
-                thread_ck += time.thread_time() - c
-                ck_steps += block
-            else:
-                ts = _block(plain, popt, data, block)
-                pl_steps += block
-            means[which] = statistics.fmean(ts)
-        samples.append(means[0] / means[1] - 1)
+    p0 = time.process_time()
+    r = paired_rounds((ckm, copt), (plain, popt), data, block, rounds)
     proc = time.process_time() - p0
+    samples, thread_ck, ck_steps, pl_steps = r["samples"], r["thread_ck"], r["ck_steps"], r["pl_steps"]
     s1 = ck.stats()
     ck.close()
     gran = s1["granularity"]

@@ -78,17 +78,17 @@ def _child(cell: dict) -> dict:
     import torch
     torch.set_num_threads(1)
     import ray_ckpt
-    from benchmarks.budget import _block, _build
+    from benchmarks.budget import build_mlp, paired_rounds, timed_steps
     harness.connect_ray(cell["address"])
     out: dict = {"arm": cell["arm"], "ray_ckpt": ray_ckpt.__file__,
                  "actor_ray_ckpt": ray.get(ray.remote(_where).remote()),
                  "affinity": sorted(os.sched_getaffinity(0))}
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)) for _ in range(16)]
-    plain, popt = _build(0)
-    ckm, copt = _build(0)
+    plain, popt = build_mlp(0)
+    ckm, copt = build_mlp(0)
     block, rounds = cell["block"], cell["rounds"]
-    _block(plain, popt, data, 100)                                     # warm-up (and gradients to copy)
+    timed_steps(plain, popt, data, 100)                                     # warm-up (and gradients to copy)
 
     # the floor: the copies a checkpointed step must make
     grads = [p.grad for p in plain.parameters()]
@@ -111,7 +111,7 @@ def _child(cell: dict) -> dict:
 
     p0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
     base_steps = 4 * block
-    _block(plain, popt, data, base_steps)
+    timed_steps(plain, popt, data, base_steps)
     base_cpu = (time.process_time() - p0) / base_steps
     out.update(base_cpu_s=base_cpu, base_thread_cpu_s=(time.thread_time() - t0) / base_steps,
                base_step_s=(time.perf_counter() - w0) / base_steps)
@@ -119,32 +119,18 @@ def _child(cell: dict) -> dict:
                                run=f"bench-train-cpu-{os.getpid()}")
     deadline = time.monotonic() + cell["settle_s"]
     while time.monotonic() < deadline:
-        _block(ckm, copt, data, block)
+        timed_steps(ckm, copt, data, block)
     s0 = ck.stats()
     th0 = _thread_cpu()
     p0 = time.process_time()
-    thread_ck = 0.0
-    samples, ck_means, pl_means, ck_steps, pl_steps = [], [], [], 0, 0
-    for r in range(rounds):
-        means = {}
-        for which in ([0, 1] if r % 2 == 0 else [1, 0]):
-            if which == 0:
-                c = time.thread_time()
-                ts = _block(ckm, copt, data, block)
-                thread_ck += time.thread_time() - c
-                ck_steps += block
-            else:
-                ts = _block(plain, popt, data, block)
-                pl_steps += block
-            means[which] = statistics.fmean(ts)
-        samples.append(means[0] / means[1] - 1)
-        ck_means.append(means[0])
-        pl_means.append(means[1])
+    r = paired_rounds((ckm, copt), (plain, popt), data, block, rounds)
     proc = time.process_time() - p0
+    samples, ck_means, pl_means = r["samples"], r["ck_means"], r["pl_means"]
+    thread_ck, ck_steps, pl_steps = r["thread_ck"], r["ck_steps"], r["pl_steps"]
     th1 = _thread_cpu()
     s1 = ck.stats()
     if cell.get("profile_s"):
-        out["profile"] = _profile(lambda: _block(ckm, copt, data, block), cell["profile_s"])
+        out["profile"] = _profile(lambda: timed_steps(ckm, copt, data, block), cell["profile_s"])
     ck.close()
     threads = {k: (th1.get(k, 0.0) - th0.get(k, 0.0)) / ck_steps for k in th1}
     # the plain replica's steps ran on the training thread too: take them out at the baseline's thread CPU
