@@ -125,6 +125,22 @@ def _step(m, opt, step: int, width: int, sleep: float = 0.0):
     opt.step()
 
 
+def _train_until_two_points_past_the_switch(ck, m, opt, width: int, seconds: float) -> int:
+    """Train until the budget has left every-step recording and two fulls were taken since, with a step after the
+    last one (or ``seconds`` pass); the last step."""
+    step, deadline, fulls_at_switch = 0, time.monotonic() + seconds, None
+    while time.monotonic() < deadline:
+        step += 1
+        _step(m, opt, step, width)
+        if ck.budget.mode != "every_step":
+            cap = ck._capture
+            if fulls_at_switch is None:
+                fulls_at_switch = cap.full_snapshots
+            elif cap.full_snapshots >= fulls_at_switch + 2 and step > cap.last_full_step + 1:
+                break
+    return step
+
+
 def _assert_points_restore_bitwise(uri, width, steps: list[int]):
     """Every step in ``steps`` restores to the state of an uninterrupted twin at that step (torch.equal)."""
     twin, topt = _model(width)
@@ -150,16 +166,7 @@ def test_expensive_loop_records_a_full_every_k_steps_and_each_restores_bitwise(t
     width, uri = 2048, str(tmp_path / "ck")
     m, opt = _model(width)
     ck = ray_ckpt.Checkpointer(uri, m, opt, overhead_budget=0.05, max_full_every=300)
-    step, deadline, fulls_at_switch = 0, time.monotonic() + 60, None
-    while time.monotonic() < deadline:
-        step += 1
-        _step(m, opt, step, width)
-        if ck.budget.mode != "every_step":
-            cap = ck._capture
-            if fulls_at_switch is None:
-                fulls_at_switch = cap.full_snapshots
-            elif cap.full_snapshots >= fulls_at_switch + 2 and step > cap.last_full_step + 1:
-                break
+    step = _train_until_two_points_past_the_switch(ck, m, opt, width, seconds=60)
     st = ck.stats()
     ck.close()
     gran = st["granularity"]
@@ -241,16 +248,7 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
     m, opt = _model(width)
     try:
         ck = ray_ckpt.Checkpointer(uri, m, opt, runtime="ray", run=run, overhead_budget=0.005, max_full_every=40)
-        step, deadline, fulls_at_switch = 0, time.monotonic() + 25, None
-        while time.monotonic() < deadline:
-            step += 1
-            _step(m, opt, step, width)
-            if ck.budget.mode != "every_step":
-                cap = ck._capture
-                if fulls_at_switch is None:
-                    fulls_at_switch = cap.full_snapshots
-                elif cap.full_snapshots >= fulls_at_switch + 2 and step > cap.last_full_step + 1:
-                    break
+        step = _train_until_two_points_past_the_switch(ck, m, opt, width, seconds=25)
         st = ck.stats()
         ck.close()
     finally:
