@@ -85,20 +85,25 @@ def lineage_storage(root, run: str):
 
 
 # -- names of the hosts ------------------------------------------------------------------------------------------
+def _hosts_run(job: str) -> str:
+    """The hosts of a job are named as the actors of a run called ``<job>:shards`` (:mod:`naming`)."""
+    return f"{job}:shards"
+
+
 def coordinator_host_name(job: str) -> str:
-    return f"ray_ckpt:{job}:shards:coordinator"
+    return naming.coordinator_name(_hosts_run(job))
 
 
 def worker_host_prefix(job: str) -> str:
-    return f"ray_ckpt:{job}:shards:worker:"
+    return naming.worker_prefix(_hosts_run(job))
 
 
 def worker_host_name(job: str, node_id: str) -> str:
-    return worker_host_prefix(job) + node_id
+    return naming.worker_name(_hosts_run(job), node_id)
 
 
 def replica_host_prefix(job: str) -> str:
-    return f"ray_ckpt:{job}:shards:replica:"
+    return naming.replica_name(_hosts_run(job)) + ":"
 
 
 def replica_host_name(job: str, trainer_node: str) -> str:
@@ -108,7 +113,7 @@ def replica_host_name(job: str, trainer_node: str) -> str:
 
 def host_names(job: str, actor_names) -> list[str]:
     """The hosts of ``job`` among ``actor_names`` (e.g. from ``ray.util.list_named_actors``), sorted."""
-    head = f"ray_ckpt:{job}:shards:"
+    head = naming.actor_prefix(_hosts_run(job))
     return sorted(n for n in actor_names if n.startswith(head))
 
 

@@ -16,12 +16,17 @@ def default_run_name(storage_uri: str) -> str:
     return "run-" + hashlib.sha1(storage_uri.encode()).hexdigest()[:12]
 
 
+def actor_prefix(run: str) -> str:
+    """What the names of every actor of ``run`` start with."""
+    return f"ray_ckpt:{run}:"
+
+
 def coordinator_name(run: str) -> str:
-    return f"ray_ckpt:{run}:coordinator"
+    return actor_prefix(run) + "coordinator"
 
 
 def worker_prefix(run: str) -> str:
-    return f"ray_ckpt:{run}:worker:"
+    return actor_prefix(run) + "worker:"
 
 
 def worker_name(run: str, node_id: str) -> str:
@@ -30,7 +35,7 @@ def worker_name(run: str, node_id: str) -> str:
 
 def replica_name(run: str) -> str:
     """The run's state-tier replica actor (one per run)."""
-    return f"ray_ckpt:{run}:replica"
+    return actor_prefix(run) + "replica"
 
 
 def shard_runs(run: str, actor_names) -> list[str]:
