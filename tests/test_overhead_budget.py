@@ -247,7 +247,10 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
     run, uri, width = f"k-{uuid.uuid4().hex[:8]}", str(tmp_path / "ck"), 1024
     m, opt = _model(width)
     try:
-        ck = ray_ckpt.Checkpointer(uri, m, opt, runtime="ray", run=run, overhead_budget=0.005, max_full_every=40)
+        # every recorded diff durable too (not the bandwidth's choice, "auto"), so that the lineage read from storage
+        # after the run has every step the capture recorded
+        ck = ray_ckpt.Checkpointer(uri, m, opt, runtime="ray", run=run, overhead_budget=0.005, max_full_every=40,
+                                   durable_diffs="all")
         step = _train_until_two_points_past_the_switch(ck, m, opt, width, seconds=25)
         st = ck.stats()
         ck.close()
