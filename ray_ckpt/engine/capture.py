@@ -465,7 +465,9 @@ class CaptureBase:
                 delegated, wanted = self._full_control()
                 if wanted:
                     decision = StepDecision(full=True, close_batch=True, record=record)
-                elif decision.full and delegated and record:   # the state tier takes this full: the clock moves
+                elif decision.full and delegated and record and gap_from == rec.step:
+                    # the state tier takes this full (the clock moves) when it saw every step since the last
+                    # recovery point; after steps the overhead budget left unrecorded the trainer takes it
                     self.last_full_step = rec.step
                     rec.full_delegated = True          # the replica writes it (exactly one writer per full)
                     decision = StepDecision(full=False, close_batch=decision.close_batch)
