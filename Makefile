@@ -63,10 +63,11 @@ bench-fsdp: $(STAMP)
 	$(PY) -m benchmarks.fsdp --runtime ray
 	$(PY) -m benchmarks.fsdp --replicas 2
 
-# the overhead budget on the Fashion-MNIST-shaped loop, both runtimes: mean step overhead (95 % CI), the
-# granularity chosen, lost-work bound, bytes and training-process CPU per step (~3 min)
+# the overhead budget on the Fashion-MNIST-shaped loop and the GPT example, 1 and 2 DDP workers, Ray sharing the
+# cores or on its own core, both runtimes: mean step overhead (95 % CI), the granularity chosen, lost-work bound,
+# bytes and training-process CPU per step (10 rows, ~15 min)
 bench-budget: $(STAMP)
-	$(PY) -m benchmarks.budget
+	$(PY) -m benchmarks.budget --jobs fmnist gpt:small:1 --workers 1 2 --placements shared pinned
 
 # the training process's own CPU per recorded step under runtime="ray" (per thread, next to the copies it must
 # make), Ray pinned to one core and the trainer to the other; BEFORE=/path/to/another/tree adds that tree as a

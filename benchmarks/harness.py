@@ -13,6 +13,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -167,6 +168,23 @@ def init_process_group(cell: dict, rank: int, backend: str = "gloo") -> None:
                             world_size=cell["world"])
 
 
+def close_process_group() -> None:
+    """Rank process: leave the process group together (a barrier, then destroy): a rank that exits while its peer
+    still talks to it aborts the peer."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def pin_prefix(core: int | None) -> list:
+    """The command prefix that runs a process on ``core`` alone (``taskset``), or [] when ``core`` is None or the
+    machine cannot (one core, no taskset)."""
+    if core is None or not shutil.which("taskset") or (os.cpu_count() or 1) < 2:
+        return []
+    return ["taskset", "-c", str(core)]
+
+
 def connect_ray(address: str) -> None:
     """Rank process: connect to the benchmark's private Ray (once)."""
     import ray
@@ -181,8 +199,8 @@ class RayHost:
     """The orchestrator's handle on a private local Ray, hosted by the process ``python -m benchmarks.rayhost``:
     ``start()``, ``.address``, ``stop()``."""
 
-    def __init__(self, temp_dir: str, num_cpus: int, object_store_bytes: int):
-        self.temp_dir, self.num_cpus, self.osm = temp_dir, num_cpus, object_store_bytes
+    def __init__(self, temp_dir: str, num_cpus: int, object_store_bytes: int, pin: int | None = None):
+        self.temp_dir, self.num_cpus, self.osm, self.pin = temp_dir, num_cpus, object_store_bytes, pin
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
 
@@ -191,7 +209,7 @@ class RayHost:
         env = dict(os.environ)
         env["RAY_TMPDIR"] = self.temp_dir  # where a plain ray.init() would look: ours, not /tmp/ray
         self.log = open(os.path.join(self.temp_dir, "rayhost.log"), "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.rayhost", os.path.join(self.temp_dir, "ray"),
+        self.proc = subprocess.Popen(pin_prefix(self.pin) + [sys.executable, "-m", "benchmarks.rayhost", os.path.join(self.temp_dir, "ray"),
                                       str(self.num_cpus), str(self.osm)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env)
         deadline = time.monotonic() + timeout
@@ -230,11 +248,12 @@ class RayHost:
 
 
 @contextlib.contextmanager
-def private_ray(temp_dir: str, num_cpus: int, object_store_mb: int):
+def private_ray(temp_dir: str, num_cpus: int, object_store_mb: int, pin: int | None = None):
     """Orchestrator: a private one-node Ray, started before the ranks fork (they connect to its address; nothing
-    Ray in this process), stopped on exit. Yields the :class:`RayHost` (``.address``)."""
+    Ray in this process), stopped on exit; with ``pin``, all its processes run on that core alone. Yields the
+    :class:`RayHost` (``.address``)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")   # a private cluster; every process that joins agrees
-    host = RayHost(temp_dir, num_cpus=num_cpus, object_store_bytes=object_store_mb << 20)
+    host = RayHost(temp_dir, num_cpus=num_cpus, object_store_bytes=object_store_mb << 20, pin=pin)
     host.start()
     try:
         yield host

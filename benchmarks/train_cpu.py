@@ -194,10 +194,6 @@ def _child_main(path: str) -> int:
 # ------------------------------------------------------------------------------------------------------------
 # the orchestrator
 # ------------------------------------------------------------------------------------------------------------
-def _pin(core: int) -> list:
-    return ["taskset", "-c", str(core)] if shutil.which("taskset") and (os.cpu_count() or 1) >= 2 else []
-
-
 def _block_run(arm: str, tree: str, tmp: str, args, log) -> dict:
     d = tempfile.mkdtemp(prefix=f"{arm}-", dir=tmp)
     env = dict(os.environ)
@@ -208,7 +204,7 @@ def _block_run(arm: str, tree: str, tmp: str, args, log) -> dict:
     os.makedirs(os.path.join(short, "ray"), exist_ok=True)
     env_ray = dict(env, RAY_TMPDIR=short)
     ray_log = open(os.path.join(d, "rayhost.log"), "wb")
-    host = subprocess.Popen(_pin(1) + [sys.executable, "-m", "benchmarks.rayhost", os.path.join(short, "ray"), "2",
+    host = subprocess.Popen(harness.pin_prefix(1) + [sys.executable, "-m", "benchmarks.rayhost", os.path.join(short, "ray"), "2",
                                        str(512 << 20)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=ray_log, env=env_ray, cwd=tmp)
     try:
@@ -225,7 +221,7 @@ def _block_run(arm: str, tree: str, tmp: str, args, log) -> dict:
                 "result": os.path.join(d, "result.json"), "profile_s": args.profile}
         with open(os.path.join(d, "cell.json"), "w") as f:
             json.dump(cell, f)
-        child = subprocess.Popen(_pin(0) + [sys.executable, "-m", "benchmarks.train_cpu", "--child",
+        child = subprocess.Popen(harness.pin_prefix(0) + [sys.executable, "-m", "benchmarks.train_cpu", "--child",
                                             os.path.join(d, "cell.json")], env=env, cwd=tmp)
         try:
             child.wait(timeout=900)

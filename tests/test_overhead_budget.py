@@ -55,6 +55,24 @@ def test_budget_policy_chooses_the_granularity_from_measured_windows():
     assert "budget" in p.report()["reason"] or "fits" in p.report()["reason"]
 
 
+def test_the_budget_outranks_the_cost_models_full_interval():
+    """A full costs so much that only an interval longer than the cost model's (every 20 steps) keeps the budget:
+    the policy takes that longer interval and says why, instead of staying at 20 steps over the budget."""
+    p = BudgetPolicy(FixedFrequencyPolicy(20, 10), 0.05, max_k=10_000)
+    p.hint_full(0.015, 8e6)
+    for _ in range(2):
+        p.observe(_w(3.0))                                   # every step: 3 ms of a 7 ms step
+    p.decide(_ctx(51, 0))
+    for _ in range(2):                                       # unrecorded: 0.05 ms a step, a full 15 ms
+        p.observe(_w(0.2, recorded=False, fulls=1, snapshot_ms=15.0))
+    allowed = 0.05 * p.base_s
+    assert p.mode == "fulls_only" and p.k > 20, p.report()
+    assert p.full_cost / p.k + p.fixed_cost <= allowed       # the interval chosen keeps the budget
+    finest = p.full_cost / (allowed - p.fixed_cost)
+    assert p.k <= 1.25 * finest + 1                          # and is the finest that does, within the hysteresis
+    assert "budget decides" in p.reason and p.lost_work_steps == p.k
+
+
 def test_a_budget_no_granularity_meets_falls_back_to_the_cost_models_fulls():
     """Even an unrecorded step costs more than the budget: recovery points at the cost model's full interval (the
     coarsest granularity it chose for failures), never a longer interval that loses more work and still misses."""

@@ -24,7 +24,8 @@ Granularity (:attr:`BudgetPolicy.mode`):
   ``k`` steps, taken by the trainer (the smallest ``k`` whose measured cost per step fits); every full is an
   exact recovery point, the steps between them are not recoverable (lost-work bound ``k`` steps);
 * ``fulls_only`` — as ``every_k`` where ``k`` reaches the full interval the cost model chose for failures
-  (nothing finer than its fulls fits the budget).
+  (nothing finer than its fulls fits the budget): ``k`` is longer when that is what meets the budget (up to
+  ``max_k``), and the cost model's interval when no interval meets it.
 
 A switch to ``every_step`` takes a full at once (the records start from it); a switch away closes the diff
 batch. ``k`` follows the measured cost of a full (its snapshot on the training thread, and the process's other
@@ -191,6 +192,7 @@ class BudgetPolicy:
         self._k_cost, self._k_fulls = 0.0, 0
         #: cost per step of an unrecorded step (its loop state, for the full it may become), seconds
         self.fixed_cost: float | None = None
+        self._unmet = False   #: the latest choice found no interval (up to max_k) that meets the budget
 
     # the cost model's values, for stats() and the capture
     @property
@@ -289,24 +291,32 @@ class BudgetPolicy:
                 cf += self.step_cost * self._bytes_hint / self._bytes_per_step
             cf = max(cf, self.step_cost or 0.0)
         room = allowed - (self.fixed_cost or 0.0)   # what the fulls may cost per step
-        cap = self._k_cap()
-        if room <= 0:
-            return cap
-        return int(min(cap, max(2, math.ceil(cf / room))))
+        if room <= 0:      # no interval meets the budget: the cost model's fulls (see _k_cap)
+            self._unmet = True
+            return self._k_cap()
+        k = max(2, math.ceil(cf / room))
+        self._unmet = k > self.max_k
+        return int(min(self.max_k, k))
 
     def _k_cap(self) -> int:
-        """The coarsest granularity: the fulls the cost model chose for failures (its Young/Daly-style interval),
-        never beyond ``max_k``. Past it a longer interval costs more lost work than it saves in overhead: the
-        cost model already weighed a full's cost against the work a failure loses."""
+        """The fulls the cost model chose for failures (its Young/Daly-style interval), never beyond ``max_k``: the
+        interval taken when no interval meets the budget (the unrecorded steps alone break it), since a longer one
+        would lose more work and still miss. When the budget is met only by a longer interval, the budget decides
+        (up to ``max_k``): it is the user's promise."""
         fe = getattr(self.inner, "full_every", None)
         return max(2, min(self.max_k, int(fe))) if fe else self.max_k
 
     def _set(self, k: int, why: str) -> None:
         cap = self._k_cap()
         mode = "fulls_only" if k >= cap else "every_k"
-        if k >= cap:
-            why += (f" (the budget cannot be met by a finer granularity: recovery points at the cost model's full "
-                    f"interval, {cap} steps)")
+        if self._unmet and k == cap and k < self.max_k:
+            why += (f" (the budget cannot be met: the unrecorded steps alone cost more; recovery points at the cost "
+                    f"model's full interval, {cap} steps)")
+        elif self._unmet:
+            why += f" (the budget cannot be met within max_full_every={self.max_k} steps)"
+        elif k > cap:
+            why += (f" (coarser than the cost model's full interval of {cap} steps: the budget decides; "
+                    f"a failure loses up to {k} steps)")
         self._change(mode, k, f"{why}: a full every {k} steps")
 
     def _change(self, mode: str, k: int, why: str) -> None:
