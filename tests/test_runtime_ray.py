@@ -87,6 +87,36 @@ def test_every_step_restorable_from_memory_and_durable_tiers(run_env):
     T.assert_same(_reference(30), T.snapshot(m, o, sc), "memory tier only")
 
 
+def test_a_worker_that_cannot_map_the_trainers_memory_is_handed_the_bytes(run_env, monkeypatch):
+    """The shared-memory hand-off's fallback: the node worker cannot map what the descriptors name (here a wrong
+    inode, as for another process's memory), refuses the chunk, and the sender resends it and every later chunk
+    with its bytes; every step restores bitwise from both tiers."""
+    from ray_ckpt.runtime import shared
+    real = shared.SharedArena.allocate
+
+    def unmappable(self, nbytes):
+        got = real(self, nbytes)
+        if got is None:
+            return None
+        t, d = got
+        return t, d[:3] + (d[3] + 1,) + d[4:]          # (tag, pid, fd, inode + 1, offset, size)
+
+    monkeypatch.setattr(shared.SharedArena, "allocate", unmappable)
+    run, uri = run_env
+    ck, *_ = _train(uri, run, 20, shared_handoff=True)
+    ck.flush()
+    rt = ck.stats()["runtime"]
+    ck.close()
+    assert rt["shared_chunks"] >= 1 and rt["shared_handoff"] is False, rt   # tried, refused, fell back
+    for s in [0, 7, 20]:
+        m, o, sc = _fresh()
+        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime="ray", run=run) == s
+        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"memory tier step {s}")
+        m, o, sc = _fresh()
+        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s) == s
+        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"durable tier step {s}")
+
+
 def test_killed_worker_comes_back_and_lineage_stays_consistent(run_env):
     run, uri = run_env
     node = ray.get_runtime_context().get_node_id()

@@ -109,6 +109,13 @@ class _Chunk:
     plain: list | None = None   # ``arrays`` with the bytes of its shared-memory descriptors (the fallback)
 
 
+
+def _refused_shared(e: BaseException) -> bool:
+    """Whether a failed hand-off is the worker refusing the shared-memory descriptors. Ray raises the actor's
+    exception as a class deriving from both ``RayTaskError`` and the cause's class (``as_instanceof_cause``); on
+    Ray 2.60 its ``cause`` attribute is then not the exception, so the class decides."""
+    return isinstance(e, SharedMemoryUnavailable) or isinstance(getattr(e, "cause", None), SharedMemoryUnavailable)
+
 class RaySink(BoundedSink):
     def __init__(self, run: str, storage, impl, generation: int, *, config, info: dict | None = None,
                  replica: bool = False, submit_retries: int = 20):
@@ -203,7 +210,7 @@ class RaySink(BoundedSink):
         """The node worker's and the replica's counters, and which steps restore from which tier (the
         coordinator's ``restorable``). Training thread; one actor call each."""
         out = {"actor_calls": self.actor_calls, "chunks_sent": self.chunks_sent,
-               "shared_chunks": self.shared_chunks,
+               "shared_chunks": self.shared_chunks, "shared_handoff": self.arena is not None,
                "resent_chunks": self.resent_chunks, "unsafe_chunks": len(self._unsafe),
                "handoff_seconds": self.handoff_seconds, "sender_cpu_seconds": self.sender_cpu_seconds,
                "delegated_fulls": bool(self.replica_enabled and self._control["delegate"]),
@@ -392,9 +399,9 @@ class RaySink(BoundedSink):
         try:
             reply = call()
         except ray.exceptions.RayTaskError as e:
-            if c.plain is None or not isinstance(getattr(e, "cause", None), SharedMemoryUnavailable):
+            if c.plain is None or not _refused_shared(e):
                 raise
-            self._no_shared(e.cause)
+            self._no_shared(e)
             c.arrays, c.plain = c.plain, None
             reply = call()
         self._answered(reply)
@@ -409,9 +416,9 @@ class RaySink(BoundedSink):
         try:
             reply = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
-            if c.plain is None or not isinstance(getattr(e, "cause", None), SharedMemoryUnavailable):
+            if c.plain is None or not _refused_shared(e):
                 raise
-            self._no_shared(e.cause)
+            self._no_shared(e)
             if self._unsafe.get(c.manifest.name) is c:   # (its arrays now carry the bytes)
                 self._send_sync(c)
             return
@@ -424,10 +431,11 @@ class RaySink(BoundedSink):
             return
         self._answered(reply)
 
-    def _no_shared(self, why) -> None:
-        """The node worker cannot map this process's shared memory: from now on every chunk carries its bytes
-        (those handed over already are resent with them). Sender thread."""
+    def _no_shared(self, err) -> None:
+        """The node worker cannot map this process's shared memory (``err``, its refusal): from now on every chunk
+        carries its bytes (those handed over already are resent with them). Sender thread."""
         if self.arena is not None:
+            why = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
             log.warning("ray_ckpt: the persistence worker cannot read this process's shared memory (%s); handing "
                         "the bytes over instead", why)
             self.arena.close()
