@@ -122,7 +122,7 @@ def _body(cell: dict, out: dict, rank: int = 0) -> None:
     import ray_ckpt
     if cell["world"] > 1:
         harness.init_process_group(cell, rank)
-    if cell["runtime"] == "ray":
+    if cell["runtime"] == "ray" and rank == 0:   # (only rank 0 checkpoints: the other ranks need no Ray)
         harness.connect_ray(cell["address"])
     (plain, popt), (ckm, copt), data, loss_fn = _workload(cell, rank)
     timed_steps(plain, popt, data, 20 if cell["job"] != "fmnist" else 100, loss_fn)   # warm-up
@@ -145,6 +145,10 @@ def _body(cell: dict, out: dict, rank: int = 0) -> None:
     # the plain loop's convention under DDP: rank 0 checkpoints the (replicated) state, the other ranks only train
     ck = ray_ckpt.Checkpointer(cell["uri"], ckm, copt, **kw) if rank == 0 else None
     settle = max(1, round(cell["settle_s"] / (block * base_wall)))
+    if cell["world"] > 1:                                                   # (the same number on every rank)
+        t = torch.tensor([settle])
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        settle = int(t)
     for _ in range(settle):                                              # the policy measures and settles
         timed_steps(ckm, copt, data, block, loss_fn)
     s0 = ck.stats() if ck else None

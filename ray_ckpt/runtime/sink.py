@@ -615,7 +615,8 @@ class RaySink(BoundedSink):
             if not self._unsafe:
                 break
         else:
-            raise WriterError(f"{len(self._unsafe)} chunks could not be made durable")
+            raise WriterError(f"{len(self._unsafe)} chunks could not be made durable after {self.submit_retries} "
+                              f"flushes of the node's persistence worker: {sorted(self._unsafe)[:5]}")
         if self.restarts_seen:
             self._wait_peers_durable()
 
