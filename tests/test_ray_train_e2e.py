@@ -72,7 +72,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.long   # make test runs the stricter tests/test_continuation_e2e.py (same kill, every rank's state)
-def test_sigkilled_worker_resumes_bit_exact(tmp_path, reference):
+def test_sigkilled_worker_resumes_bit_exact(tmp_path, reference, ray_cluster):  # noqa: F811
     out = tmp_path / "out"
     out.mkdir()
     result = _fit(tmp_path, f"kill-{uuid.uuid4().hex[:6]}",
