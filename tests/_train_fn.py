@@ -53,14 +53,37 @@ def train_loop(config: dict) -> None:
             _kill_once(out)
         T.train_step(kind, net, opt, sched, s, rank)
         if rank == 0:
-            if config.get("snap_all"):
-                torch.save(T.snapshot(model, opt, sched), os.path.join(out, f"ref-{s + 1}.pt"))
             _write_progress(out, s + 1, world)
         if config.get("step_sleep"):
             time.sleep(config["step_sleep"])
     session.close()
     torch.save({"step": steps, "world": world, "rank": rank, "state": T.snapshot(model, opt, sched)},
                os.path.join(out, f"final-{attempt}.pt"))
+
+
+def reference_worker(rank: int, world: int, port: int, out: str, steps: int) -> None:
+    """torch.multiprocessing entry (``tests._training.spawn``): :func:`train_loop`'s run uninterrupted, without Ray
+    Train or ray_ckpt, in a gloo group of ``world`` ranks (``DistributedDataParallel``, as ``prepare_model`` builds
+    it on CPU, with the same top-k hook); rank 0 saves its state after every step as ``<out>/ref-<step>.pt``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ray_ckpt import compression
+    from tests import _training as T
+
+    T.init_dist(rank, world, port)
+    try:
+        model = T.make_model("mlp")
+        net = DistributedDataParallel(model)
+        if world > 1:
+            net.register_comm_hook(compression.TopKState(ratio=0.01), compression.topk_hook)
+        opt = T.make_optimizer("adamw", model)
+        sched = T.make_scheduler(opt, total=steps)
+        for s in range(steps):
+            T.train_step("mlp", net, opt, sched, s, rank)
+            if rank == 0:
+                torch.save(T.snapshot(model, opt, sched), os.path.join(out, f"ref-{s + 1}.pt"))
+    finally:
+        T.close_dist()
 
 
 def continuation_loop(config: dict) -> None:

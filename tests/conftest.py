@@ -39,6 +39,12 @@ os.environ.setdefault("RAY_CKPT_KEEP_FULLS", "0")
 # step time, which on a loaded test machine depends on the load: the suite's tests that restore every step run
 # without it (set here, inherited by the Ray workers it starts); tests/test_overhead_budget.py sets it itself.
 os.environ.setdefault("RAY_CKPT_OVERHEAD_BUDGET", "0")
+# The suite's models are tiny: torch's intra-op threads (one per core by default) only contend with the writer
+# threads and the Ray processes for the 2 cores of the test machine; a 60-step loop took 10-50x longer with 2
+# threads than with 1 when the machine was busy. Set before torch is imported (by the test modules, collected
+# after this file), so the test process and every subprocess of the session inherit it (Ray workers and the gloo
+# ranks of tests._training.init_dist run with one thread already).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 import ray_ckpt.train
 from tests import _training as T
-from tests._train_fn import train_loop
+from tests._train_fn import reference_worker, train_loop
 
 pytestmark = pytest.mark.ray
 
@@ -63,15 +63,16 @@ def _assert_finals(out, reference, world, what, same_as_reference=True):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, ray_cluster):  # noqa: F811
-    """An uninterrupted 2-worker run with a snapshot after every step."""
+def reference(tmp_path_factory):
+    """An uninterrupted 2-rank run with a snapshot after every step: :func:`tests._train_fn.train_loop`'s loop in
+    plain gloo processes (``reference_worker``), without Ray Train (a TorchTrainer fit costs ~25 s here)."""
     out = tmp_path_factory.mktemp("ref")
-    _fit(out, f"ref-{uuid.uuid4().hex[:6]}", {"kind": "mlp", "steps": STEPS, "out": str(out), "snap_all": True})
+    T.spawn(reference_worker, args=(2, T.free_port(), str(out), STEPS), nprocs=2)
     return {s: _load(out / f"ref-{s}.pt") for s in range(1, STEPS + 1)}
 
 
 @pytest.mark.long   # make test runs the stricter tests/test_continuation_e2e.py (same kill, every rank's state)
-def test_sigkilled_worker_resumes_bit_exact(tmp_path, reference):
+def test_sigkilled_worker_resumes_bit_exact(tmp_path, reference, ray_cluster):  # noqa: F811
     out = tmp_path / "out"
     out.mkdir()
     result = _fit(tmp_path, f"kill-{uuid.uuid4().hex[:6]}",
