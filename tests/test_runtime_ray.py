@@ -230,6 +230,28 @@ def test_a_diff_committed_after_gc_collected_its_steps_is_deleted(ray_cluster, t
     assert coord.status()["durable_step"] == 20
 
 
+def test_a_chunk_released_before_it_was_written_is_safe_for_its_sender(ray_cluster, tmp_path):  # noqa: F811
+    """The coordinator's GC may release a diff the worker has not written yet (a newer durable full took its
+    place). The sender waits for every chunk it handed over to be reported safe; before, such a chunk never was,
+    and the sender's close() failed with 'chunks could not be made durable'. Now it is reported safe at once, and
+    it is not written (the GC that released it has deleted what it covers)."""
+    from ray_ckpt.lineage import Manifest, diff_name, object_key
+    from ray_ckpt.runtime.worker import PersistenceWorker
+    from ray_ckpt.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "ckpt"))
+    w = PersistenceWorker(f"t-{uuid.uuid4().hex[:8]}", storage, 64 << 20, durable_delay=3600.0)
+    name = diff_name(1, 61, 64)
+    m = Manifest(kind="diff", generation=1, first_step=61, last_step=64, object=object_key(name), nbytes=8,
+                 crc32=0, strategy="lowdiff")
+    assert name not in w.submit(m.to_json(), [b"12345678"], batch_steps=100, replicate=False)["safe"]
+    w.release([name])
+    assert name in w.poll(1)["safe"]
+    w.flush(timeout=30)
+    assert not storage.exists(m.object) and not storage.exists(m.key)
+    assert w.stats()["queued_chunks"] == 0
+
+
 def test_memory_budget_releases_durable_objects(run_env):
     run, uri = run_env
     model = T.MLP(d_in=32, hidden=512, d_out=8)  # dense diffs of ~1.1 MB: 2 MiB hold one or two

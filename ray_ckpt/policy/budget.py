@@ -193,6 +193,7 @@ class BudgetPolicy:
         #: cost per step of an unrecorded step (its loop state, for the full it may become), seconds
         self.fixed_cost: float | None = None
         self._unmet = False   #: the latest choice found no interval (up to max_k) that meets the budget
+        self._allowed = 0.0   #: the cost per step the budget allowed at the latest choice (seconds)
 
     # the cost model's values, for stats() and the capture
     @property
@@ -291,6 +292,7 @@ class BudgetPolicy:
                 cf += self.step_cost * self._bytes_hint / self._bytes_per_step
             cf = max(cf, self.step_cost or 0.0)
         room = allowed - (self.fixed_cost or 0.0)   # what the fulls may cost per step
+        self._allowed = allowed
         if room <= 0:      # no interval meets the budget: the cost model's fulls (see _k_cap)
             self._unmet = True
             return self._k_cap()
@@ -310,8 +312,9 @@ class BudgetPolicy:
         cap = self._k_cap()
         mode = "fulls_only" if k >= cap else "every_k"
         if self._unmet and k == cap and k < self.max_k:
-            why += (f" (the budget cannot be met: the unrecorded steps alone cost more; recovery points at the cost "
-                    f"model's full interval, {cap} steps)")
+            why += (f" (the budget cannot be met: an unrecorded step alone costs {_ms(self.fixed_cost or 0.0)} of "
+                    f"the {_ms(self._allowed)} per step it allows, {_pct(self.budget)} of a {_ms(self.base_s or 0.0)} "
+                    f"step; recovery points at the cost model's full interval, {cap} steps)")
         elif self._unmet:
             why += f" (the budget cannot be met within max_full_every={self.max_k} steps)"
         elif k > cap:

@@ -368,7 +368,19 @@ class PersistenceWorker:
         return n
 
     def release(self, names: list[str]) -> None:
+        """Drop these objects (the coordinator's GC, or its memory budget once they are durable). One released
+        before it was written or held on a peer is no longer needed (a newer durable full took its place): it is
+        not written, and its sender hears that it is safe, since nothing will make it durable for it to wait on."""
         with self._cv:
+            unsafe = [n for n in names if (h := self._held.get(n)) is not None and not h.durable and not h.replica
+                      and not h.peer]
+            if unsafe:
+                self._mark_safe_locked(unsafe)
+                for n in unsafe:
+                    m = self._held[n].manifest
+                    chunks = self._pending.get(m.generation, {})
+                    if m.kind == "diff" and chunks.get(m.first_step, (None,))[0] is m:
+                        del chunks[m.first_step]
             for n in names:
                 h = self._held.pop(n, None)
                 if h is not None:
