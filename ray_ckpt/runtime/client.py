@@ -11,7 +11,7 @@ import ray
 
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.engine.restore import LoadedChain
-from ray_ckpt.lineage import Manifest, NoCheckpointError
+from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator
 from ray_ckpt.runtime.plan_reader import load_plan
@@ -219,11 +219,7 @@ def load_via_coordinator(storage, step: int | None, *, run: str | None = None,
     if "error" in plan:
         raise NoCheckpointError(plan["error"])
     snap = None
-    # the replica saves replaying the records after the plan's full (and reading a full that only storage holds); a
-    # plan that ends at a full held in memory has neither to save: that full is read as it is held, while the
-    # replica would encode and put the same state again for each restoring rank, one after the other
-    full = plan["objects"][0]
-    if "replica" in plan and (Manifest.from_json(full["manifest"]).last_step < plan["step"] or not full["refs"]):
+    if "replica" in plan:
         try:
             replica = lineages.replica(run_name(storage, run))
             snap = ray.get(replica.snapshot.remote(plan["generation"], plan["step"]), timeout=timeout)
