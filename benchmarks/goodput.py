@@ -112,6 +112,7 @@ def breakdown(fault: dict, steps: list, events: list, states: list) -> dict:
     out["recovery_s"] = None if t_first is None else round(t_first - tf, 3)
     if rest:
         out["attach_phases"] = rest[1].get("phases")
+        out["restore_marks"] = rest[1].get("marks")   # the restore column's parts (loop entered -> restored)
     return out
 
 
@@ -147,21 +148,33 @@ def train_loop(cfg: dict) -> None:
     from ray.train import Checkpoint, CheckpointUploadMode
 
     torch.set_num_threads(1)
+    marks, last = {}, [entered]   # the "restore" column's parts: seconds of each, in order
+
+    def mark(name: str) -> None:
+        now = time.time()
+        marks[name] = round(now - last[0], 4)
+        last[0] = now
+
+    mark("imports")
     rank = ray.train.get_context().get_world_rank()
     log = _Log(os.path.join(cfg["out"], f"rank{rank}.jsonl"))
     log(ev="enter", t=entered, pid=os.getpid(), node=ray.get_runtime_context().get_node_id())
     spec = jobs.JobSpec(**cfg["job"])
     job = jobs.build(spec, "cpu", seed=0)
     model = job.model
+    mark("build")
     net = ray.train.torch.prepare_model(model)
+    mark("prepare_model")
     opt = jobs.make_optimizer(model, spec.lr, spec.kind)
     sched = jobs.make_scheduler(opt, cfg["steps"])
     arm, steps, every = cfg["arm"], cfg["steps"], cfg.get("every", 0)
     session, start, phases = None, 0, None
     if arm == "ray_ckpt":
         import ray_ckpt.train
+        mark("import_ray_ckpt")
         session = ray_ckpt.train.attach(net, opt, scheduler=sched)
         start, phases = session.start_step, dict(session.startup)
+        mark("attach")
     elif arm == "native":
         ckpt = ray.train.get_checkpoint()
         if ckpt is not None:
@@ -171,7 +184,8 @@ def train_loop(cfg: dict) -> None:
             opt.load_state_dict(st["optimizer"])
             sched.load_state_dict(st["scheduler"])
             start = st["step"]
-    log(ev="restored", t=time.time(), start=start, phases=phases)
+        mark("load")
+    log(ev="restored", t=time.time(), start=start, phases=phases, marks=marks)
     scratch = tempfile.mkdtemp(prefix="gp", dir=cfg["out"])   # Ray Train deletes each save's folder once uploaded
     saves = [0]
 
@@ -545,10 +559,13 @@ def summarize(runs: list[dict]) -> dict:
                 by_kind[k] = {ph: spread([x[ph] for x in xs]) for ph in
                               ("steps_lost", "detection_s", "restart_s", "restore_s", "first_step_s", "recovery_s")}
         cell["by_kind"] = by_kind
+        marks = [x["restore_marks"] for x in rec if x.get("restore_marks")]
+        cell["restore_parts_s"] = {k: spread([m.get(k) for m in marks]) for k in dict.fromkeys(
+            k for m in marks for k in m)}
         if arm == "ray_ckpt":   # ray_ckpt's own share of "restore": attach's phases after each restart
             phases = [x["attach_phases"] for x in rec if x.get("attach_phases")]
-            cell["attach_after_restart_s"] = {k: spread([p.get(k) for p in phases]) for k in
-                                              ("total", "restore", "checkpointer.first_full", "rank_loop")}
+            cell["attach_after_restart_s"] = {k: spread([p.get(k) for p in phases]) for k in dict.fromkeys(
+                ["total", "restore", "checkpointer.first_full", "rank_loop"] + [k for p in phases for k in p])}
         if arm == "native":
             cell["every"] = [r["every"] for r in rs]
             cell["save_s"] = spread([x["c"] for r in rs for x in r.get("saves", []) if not x["jit"]])
@@ -599,6 +616,14 @@ def markdown(result: dict) -> str:
         lines += ["", f"ray_ckpt's share of each restart (`attach` after a restore, s): total {_pm(att['total'], '.2f')}, "
                   f"of which restore {_pm(att['restore'], '.2f')} and the attach full "
                   f"{_pm(att['checkpointer.first_full'], '.2f')} (`TrainSession.startup`)."]
+    parts = [(arm, c["restore_parts_s"]) for arm, c in s.items() if c.get("restore_parts_s")]
+    if parts:
+        lines += ["", "The restore column part by part (s, rank 0, loop entered -> restored; mean [min, max] over the "
+                  "failures):", ""]
+        lines += [f"- {arm}: " + ", ".join(f"{k} {_pm(v, '.2f')}" for k, v in p.items()) for arm, p in parts]
+    if att:
+        lines += ["- ray_ckpt `attach` phases: " + ", ".join(f"{k} {_pm(v, '.2f')}" for k, v in att.items()
+                                                              if v.get("n"))]
     lines += ["", "## Time to recover, per failure kind (s; fault -> first step after it)", "",
               "| arm | kind | n | steps lost | detection | Ray Train restart | restore | first step | total |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -50,6 +50,11 @@ class Checkpointer:
     the step a preceding :func:`restore` returned, else 0) and installs hooks on ``optimizer`` (and wraps
     ``scheduler.step``); from then on each ``optimizer.step()`` is captured (a copy at most) and written by a
     background thread in batches of ``batch_steps`` steps, with a full checkpoint every ``full_every`` steps.
+    With ``runtime="ray"`` the constructor returns once that first full is held on two nodes (durable on a
+    one-node cluster), except when it restates what the lineage already holds that way: right after a
+    :func:`restore` of ``start_step`` from this ``uri`` (unsharded) whose chain was durable or held on two nodes
+    (``ray_ckpt.train.attach`` after a restart), the full is secured in the background while training goes on;
+    a crash meanwhile restores that same step, bitwise, from the earlier generation.
 
     The knobs: ``config``, a :class:`~ray_ckpt.CheckpointConfig`, and keyword overrides of its fields
     (``full_every``, ``batch_steps``, ``max_pending_bytes``, ``capture_rng``, ``memory_budget``, ``keep_fulls``,
@@ -114,6 +119,7 @@ class Checkpointer:
         self.storage, run = _open_lineage(uri, storage_options, run, self.shard_spec, self.runtime)
         self.uri = self.storage.describe()
         self._start_step = start_step = _first_step(optimizer, start_step)
+        restated = _restored_safe(optimizer, self.uri, start_step)
         if getattr(optimizer, ATTACHED_ATTR, None) is not None:   # before anything is acquired
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
         self._feed: CommitFeed | None = None
@@ -148,9 +154,15 @@ class Checkpointer:
             full = self._capture.snapshot_now()
             policy.hint_full(self._capture.last_snapshot_seconds or 0.0, full.nbytes)
             self._sink.submit(full)
-            if self.runtime is Runtime.RAY:   # held on two nodes (durable on a one-node cluster) when attach returns
+            t2 = time.perf_counter()
+            # held on two nodes (durable on a one-node cluster) when attach returns, unless it restates a step the
+            # lineage already holds that way (a restore just installed it): until it is secured in the background,
+            # a crash restores that step from the earlier generation, bitwise the same state
+            if self.runtime is Runtime.RAY and not (restated and self.shard_spec is None):
                 self._sink.wait_safe()
-            self.startup["first_full"] = time.perf_counter() - t1
+            t3 = time.perf_counter()
+            self.startup["first_full"] = t3 - t1
+            self.startup["first_full.wait_safe"] = t3 - t2
         self._drain_watch = _watch_drains(self.runtime, self._sink)
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.uri, self.generation, start_step)
 
@@ -370,6 +382,23 @@ def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec
     return _sharded.shard_storage(storage, shard_spec.world, shard_spec.rank), run
 
 
+#: set on an optimizer by an unsharded :func:`restore`: ``{"uri", "step", "safe"}`` of the state it installed
+#: (``safe``: every object of its chain was durable or held on two nodes); read once by the next attach
+_RESTORED_FROM_ATTR = "_ray_ckpt_restored_from"
+
+
+def _restored_safe(optimizer: torch.optim.Optimizer, uri: str, start_step: int) -> bool:
+    """Whether ``optimizer`` holds the state that :func:`restore` installed from the lineage at ``uri`` at
+    ``start_step``, and that state's chain was durable or held on two nodes: an attach of that step restates
+    what the lineage already holds safe. The mark is consumed (only the first attach after a restore reads it).
+    Training thread."""
+    got = getattr(optimizer, _RESTORED_FROM_ATTR, None)
+    if got is None:
+        return False
+    delattr(optimizer, _RESTORED_FROM_ATTR)
+    return got["uri"] == uri and got["step"] == start_step and got["safe"]
+
+
 def _first_step(optimizer: torch.optim.Optimizer, start_step: int | None) -> int:
     """The step an attach starts at: ``start_step``, else the step a preceding :func:`restore` returned, else 0."""
     if start_step is None:
@@ -461,7 +490,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
         return _restore_consolidated(storage, model, optimizer, step=step, scheduler=scheduler, scaler=scaler,
                                      extra_state=extra_state, fallback=fallback, restore_rng=restore_rng,
                                      runtime=runtime, run=run, t0=t0)
-    chain = None
+    chain, unsafe = None, 0
     if runtime is Runtime.RAY:
         from ray_ckpt.runtime.client import load_via_coordinator
         try:
@@ -473,6 +502,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
             got = None
         if got is not None:
             chain, tiers = got
+            unsafe = tiers.get("unsafe", 0)
             log.info("ray_ckpt: plan read %d objects from the memory tier, %d from storage", tiers["memory"],
                      tiers["durable"])
     if chain is None:
@@ -480,6 +510,8 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     _refuse_one_shard(chain, storage)
     out = apply_chain(chain, model, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                       restore_rng=restore_rng)
+    # what a Checkpointer attached next to this optimizer needs to know (see _restored_safe)
+    setattr(optimizer, _RESTORED_FROM_ATTR, {"uri": storage.describe(), "step": out, "safe": unsafe == 0})
     dt = time.perf_counter() - t0
     log.info("ray_ckpt: restored step %d (full %d + %d diffs) from %s in %.3f s", out, chain.full.step,
              len(chain.records), storage.describe(), dt)

@@ -88,7 +88,8 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
 
 
 def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=None, scaler=None,
-                   run: str | None = None, runtime: str = "ray") -> tuple[int, bool]:
+                   run: str | None = None, runtime: str = "ray",
+                   mark: Callable[[str], Any] | None = None) -> tuple[int, bool]:
     """Restore every rank of the process group to **one** step; returns ``(step, restored)``. Runs in each
     training process (every rank calls it; it is collective when ``torch.distributed`` is initialized).
 
@@ -105,8 +106,10 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
     :class:`RestoreError` naming the failed ranks (a group never trains from mixed states). A run without a
     lineage starts from scratch on every rank: ``(0, False)``. Without a process group (or a group of one) this
     is a plain :func:`ray_ckpt.restore` of the latest step. ``runtime`` as in :func:`ray_ckpt.restore`
-    (``"local"``: storage only, no Ray needed)."""
+    (``"local"``: storage only, no Ray needed). ``mark``: called with the name of each phase as it ends
+    (``resolve``, ``heads``, ``apply``, ``own_loop``), e.g. a start-up clock's ``mark``."""
     group = Collective()
+    mark = mark or (lambda name: None)
 
     def restore_at(step: int | None) -> int:   # fallback: a missing or corrupt object costs steps, not the run
         return restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state, scaler=scaler,
@@ -119,6 +122,7 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
             log.info("ray_ckpt: run %r starts from scratch (%s)", run, e)
             return 0, False
     latest = group.broadcast("resolve the step to restore", functools.partial(_latest, storage, run, runtime))
+    mark("resolve")
     if isinstance(latest, str):
         log.info("ray_ckpt: run %r starts from scratch (%s)", run, latest)
         return 0, False
@@ -126,18 +130,21 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
     heads = group.all_gather("read their loop state", lambda: None if group.rank == 0 else
                              rankloop.rank_loop_head(storage, group.rank, generation))
     step = min([newest, *(h for h in heads if h is not None)])
+    mark("heads")
     lost, why = explain_loss(newest, heads, step)
     if lost:
         log.warning("ray_ckpt: restoring step %d: %d step(s) lost (recomputed now): %s", step, lost, why)
     else:
         log.info("ray_ckpt: restoring step %d: %s", step, why)
     restored = _agree(group, restore_at, group.all_gather(f"restore step {step}", lambda: restore_at(step)))
+    mark("apply")
     if restored != step:
         log.error("ray_ckpt: restored step %d instead of %d: objects were missing or corrupt (logged above); "
                   "the steps in between are recomputed", restored, step)
     group.all_gather(f"restore their loop state at step {restored}",
                      lambda: _restore_own_loop(storage, group.rank, generation, restored,
                                                recorded=heads[group.rank] is not None, extra_state=extra_state))
+    mark("own_loop")
     return restored, True
 
 

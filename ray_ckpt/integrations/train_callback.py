@@ -9,6 +9,9 @@ Ray Train's developer API ``ControllerCallback``. Hooks used, and where they run
                                                            replicas of objects whose node was lost (in a
                                                            thread: the controller's loop goes on)
 ``ControllerCallback.before_controller_execute_resize_decision``   controller: record the resize (elastic)
+``WorkerGroupCallback.after_worker_group_start``            controller: after a restart onto a node without
+                                                           the run's persistence worker, start it (in a
+                                                           thread) while the train loop starts
 ``ControllerCallback.after_controller_finish``             controller: flush every persistence worker, then
                                                            (unless ``keep_runtime``) stop the run's actors
 ``ray.train.report`` (from ``attach``'s step hook)          every worker, every ``report_every`` steps: a tiny
@@ -32,7 +35,7 @@ import os
 import threading
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
 from ray_ckpt import storage as _storage
 from ray_ckpt.storage.s3_options import SECRET_OPTIONS
@@ -41,11 +44,12 @@ from ray_ckpt.lineage import MANIFESTS_DIR
 from ray_ckpt.lineage.layout import RUN_MARKER
 from ray_ckpt.runtime import lineages
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shard_runs, shutdown_run
+from ray_ckpt.runtime.worker import get_or_create_worker
 
 log = logging.getLogger("ray_ckpt")
 
 
-class RayCkptCallback(ControllerCallback):
+class RayCkptCallback(ControllerCallback, WorkerGroupCallback):
     """Driver-side half of the integration: ``RunConfig(callbacks=[RayCkptCallback("s3://bucket/run")])``.
 
     Created on the driver, pickled to the Ray Train controller actor, where its hooks run (see the module
@@ -87,6 +91,7 @@ class RayCkptCallback(ControllerCallback):
         if self.storage_uri is None:
             self.storage_uri = default_location(train_run_context.run_config)
         storage = _storage.open_storage(self.storage_uri, **self.storage_options)
+        self._storage = storage
         claim_run(storage, run, adopt=self.adopt)
         coord = get_or_create_coordinator(run, storage, full_every=self.config.full_every,
                                           batch_steps=self.config.batch_steps, keep_fulls=self.config.keep_fulls,
@@ -118,6 +123,35 @@ class RayCkptCallback(ControllerCallback):
                 persist_orphans(shard, shard_coord)
         except Exception as e:  # noqa: BLE001
             log.warning("ray_ckpt: could not persist the objects held by one node only after a failure: %s", e)
+
+    def after_worker_group_start(self, worker_group) -> None:
+        """Controller actor, once the worker group's actors are up (before the train loop runs): when the run's
+        persistence workers are in use (a restart), start the one of world rank 0's node if that node has none — a
+        replacement node after a node loss — from a thread, without waiting: its process (Python, Ray, torch:
+        seconds) then starts while the workers build and wrap their model, instead of inside ``attach``."""
+        storage = getattr(self, "_storage", None)
+        if self.run is None or storage is None:
+            return
+        try:
+            node = next(w.metadata.node_id for w in worker_group.get_workers()
+                        if w.distributed_context.world_rank == 0)
+        except Exception as e:  # noqa: BLE001 - Ray Train's internals: an optimization only
+            log.info("ray_ckpt: no world rank 0 in the new worker group (%s)", e)
+            return
+        threading.Thread(target=self._start_node_worker, args=(storage, node), daemon=True,
+                         name="ray_ckpt-node-worker-start").start()
+
+    def _start_node_worker(self, storage, node: str) -> None:
+        """Controller actor, a thread of its own: the run's persistence worker on ``node``, created (not waited
+        for) when the run has workers elsewhere but none there. Best effort: ``attach`` creates it otherwise."""
+        try:
+            nodes = lineages.worker_nodes(self.run)
+            if nodes and node not in nodes:
+                get_or_create_worker(self.run, node, storage, self.config.memory_budget, self.config.write_timeout)
+                log.info("ray_ckpt: starting the persistence worker of run %r on node %s for the new worker group",
+                         self.run, node[:12])
+        except Exception as e:  # noqa: BLE001
+            log.info("ray_ckpt: could not start the persistence worker on node %s ahead of attach: %s", node[:12], e)
 
     def before_controller_execute_resize_decision(self, resize_decision) -> None:
         coord = self._coord()

@@ -181,13 +181,14 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
         _prestart_actors(run, storage, strategy, policy)
         clock.mark("prestart")
     t0 = time.perf_counter()
+    parts = PhaseClock()   # the restore's own phases (the agreement's), reported as restore.<phase>
     if sharded:
         start, restored = sharded_agreed_restore(storage, model, optimizer, scheduler=scheduler,
                                                  extra_state=extra_state, scaler=scaler, run=run,
                                                  runtime=sharded_runtime)
     else:
         start, restored = agreed_restore(storage, model, optimizer, scheduler=scheduler, extra_state=extra_state,
-                                         scaler=scaler, run=run)
+                                         scaler=scaler, run=run, mark=parts.mark)
     restore_seconds = time.perf_counter() - t0
     clock.mark("restore")
     if restored:
@@ -218,7 +219,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     session = TrainSession(start_step=start, restored=restored, run=run,
                            storage_uri=storage.describe(), world_rank=rank, checkpointer=ck,
                            restore_seconds=restore_seconds, loop_recorder=recorder, report_every=every,
-                           step=start, startup=startup_phases(clock, ck))
+                           step=start, startup=startup_phases(clock, ck, restore=parts.phases))
     log.info("ray_ckpt: rank %d attached in %s", rank, startup_line(session.startup))
     session._hooks.append(optimizer.register_step_post_hook(_pointer_hook(session)))
     return session
@@ -238,11 +239,13 @@ def _prestart_actors(run: str, storage, strategy, policy) -> None:
         log.info("ray_ckpt: could not start the run's actors ahead of the attach (%s)", e)
 
 
-def startup_phases(clock: PhaseClock, ck: Checkpointer | None) -> dict:
-    """The phases of an :func:`attach` (``clock``'s, the Checkpointer's own under ``checkpointer.``) and their
-    ``total``, in seconds. Training worker."""
+def startup_phases(clock: PhaseClock, ck: Checkpointer | None, restore: dict | None = None) -> dict:
+    """The phases of an :func:`attach` (``clock``'s, the restore's own under ``restore.``, the Checkpointer's own
+    under ``checkpointer.``) and their ``total``, in seconds. Training worker."""
     out = dict(clock.phases)
     out["total"] = sum(out.values())
+    for name, seconds in (restore or {}).items():
+        out[f"restore.{name}"] = seconds
     for name, seconds in (getattr(ck, "startup", None) or {}).items():
         out[f"checkpointer.{name}"] = seconds
     return out

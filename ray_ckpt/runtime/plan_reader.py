@@ -26,11 +26,14 @@ def load_plan(storage, plan: dict, *, timeout: float = 60.0, snapshot: dict | No
               ) -> tuple[LoadedChain, dict]:
     """Load a coordinator plan: each object from a live holder's object store when one has it, else from
     storage. With ``snapshot`` (a replica's state at a step the plan reaches), start from it and read only the
-    records after it. Returns ``(chain, tiers)``; ``tiers["replayed"]`` is the number of records to replay.
-    Any process connected to Ray."""
+    records after it. Returns ``(chain, tiers)``; ``tiers["replayed"]`` is the number of records to replay,
+    ``tiers["unsafe"]`` the number of the plan's objects that were neither durable nor held on two nodes when
+    the coordinator planned (0: the restored step survives the loss of any one node). Any process connected
+    to Ray."""
     manifests = [Manifest.from_json(o["manifest"]) for o in plan["objects"]]
     refs = {m.name: o["refs"] for m, o in zip(manifests, plan["objects"])}
-    tiers = {"memory": 0, "durable": 0, "replica": 0}
+    tiers = {"memory": 0, "durable": 0, "replica": 0,
+             "unsafe": sum(1 for o in plan["objects"] if not o.get("durable") and len(o["refs"]) < 2)}
 
     def reader(m: Manifest):
         for ref in refs.get(m.name, []):
