@@ -38,17 +38,20 @@ def _play(coord: SimCoordinator, job: SimJob, rounds: int, pack: bool) -> list[f
     return answers
 
 
-def _job(nodes, ranks=2, objects=True):
+def _job(nodes, ranks=2, objects=True, held_refs=False):
     return SimJob(nodes, ranks, chunk_steps=2, batch_steps=10, full_every=20, hold_chunks=4, refs=["tagged"],
-                  manifest_objects=objects)
+                  manifest_objects=objects, held_refs=held_refs)
 
 
 def test_aggregated_reports_keep_a_64_node_lineage_exact(ray_cluster, tmp_path):
     nodes = node_ids(64)
     figures = {}
-    for pack in (False, True):   # as before (a message each, manifests as JSON), as now (packed, as objects)
-        coord, job = _coord(tmp_path, f"pack{pack}"), _job(nodes, objects=pack)
+    # as at first (a message each, manifests as JSON, an object ref in each held report), as now (packed, as
+    # objects, no refs: a plan asks the holders)
+    for pack in (False, True):
+        coord, job = _coord(tmp_path, f"pack{pack}"), _job(nodes, objects=pack, held_refs=not pack)
         coord.sim_join(nodes)
+        coord.sim_job = job
         answers = _play(coord, job, rounds=13, pack=pack)   # 26 steps a stream: commits, a full, releases
         gens = [job.generation(s) for s in job.streams]
         got, want = coord.sim_figures(gens), job.expected()
@@ -59,13 +62,38 @@ def test_aggregated_reports_keep_a_64_node_lineage_exact(ray_cluster, tmp_path):
         # 64 nodes report: each is asked to report every 64 / REPORT_CALLS_PER_S seconds
         assert answers[-1] == pytest.approx(max(C.MIN_REPORT_INTERVAL_S, 64 / C.REPORT_CALLS_PER_S))
         assert coord.status()["recoverable_step"] == job.base(job.streams[-1]) + 26
+        s = job.streams[-1]                     # a plan reads every held object of the chain from its holders
+        plan = coord.plan(job.base(s) + 26)
+        held = [Manifest.from_json(o["manifest"]).name for o in plan["objects"] if not o["durable"]]
+        assert held and all(sorted(o["refs"]) == sorted(f"{n}:{Manifest.from_json(o['manifest']).name}"
+                                                      for n in job.holders[Manifest.from_json(o["manifest"]).name])
+                            for o in plan["objects"] if not o["durable"])
     assert figures[False] == figures[True]
+
+
+def test_one_control_call_per_node_answers_every_rank_as_its_own_call(ray_cluster, tmp_path):
+    nodes = node_ids(4)
+    coord, job = _coord(tmp_path, "control"), _job(nodes, ranks=3)
+    coord.sim_join(nodes)
+    _play(coord, job, rounds=3, pack=True)
+    gens = [job.generation(s) for s in job.streams]
+    coord.request_full(gens[4], "test")             # a rank of nodes[1]
+    reqs = {n: job.control_request(n) for n in nodes}
+    assert [len(r) for r in reqs.values()] == [3] * 4 and len({run for r in reqs.values() for run, _, _ in r}) == 12
+    answers = {n: coord.control_many(reqs[n]) for n in nodes}
+    direct = {g: coord.control(g) for g in gens}   # after the relayed calls: the full was asked for once
+    flat = [a for n in nodes for a in answers[n]]
+    assert [a["want_full"] for a in flat] == [g == gens[4] for g in gens]
+    assert not any(a["want_full"] for a in direct.values())
+    assert all(a["delegate"] == direct[g]["delegate"] and a["draining"] == direct[g]["draining"]
+               for a, g in zip(flat, gens))
 
 
 def test_a_lost_simulated_node_is_handled_as_a_real_one(ray_cluster, tmp_path):
     nodes = node_ids(8)
     coord, job = _coord(tmp_path, "lost"), _job(nodes)
     coord.sim_join(nodes)
+    coord.sim_job = job                             # its nodes answer a plan's ask for object refs
     _play(coord, job, rounds=13, pack=True)
     lost, peer = nodes[-1], nodes[0]               # the last node's ranks hold the newest generation
     s = job.streams[-1]

@@ -512,12 +512,7 @@ class Coordinator:
         next step (consumed); ``delegate`` — the replica materializes the policy's fulls. ``trainer``: the
         training thread's latest measured window (step time, capture, optimizer step, other CPU per step), fed
         to the adaptive policy's cost model."""
-        if trainer:
-            try:
-                self.tuner.observe_trainer(**trainer)
-                self._decide()
-            except (TypeError, ValueError) as e:   # a malformed report must not fail the control call
-                log.debug("ray_ckpt coordinator: trainer report ignored: %s", e)
+        self._observe_trainer(trainer)
         want = generation in self._want_full
         self._want_full.discard(generation)
         gaps = [g for g in self.gaps if g["generation"] == generation and not g.get("told")]
@@ -525,6 +520,26 @@ class Coordinator:
             g["told"] = True
         return {"want_full": want, "delegate": self._replica_usable(generation, max_age=1.0),
                 "gaps": [(g["first"], g["last"]) for g in gaps], "draining": dict(self._draining)}
+
+    def control_many(self, requests: list) -> list:
+        """:meth:`control` for several senders in one call: ``requests`` is ``[(run, generation, [trainer
+        reports]), ...]`` (a node's worker host relays its ranks' asks, :meth:`PersistenceWorker.control`);
+        answers in the same order. A run's coordinator answers every request itself (the run names only route in
+        :meth:`CoordinatorHost.control_many`)."""
+        out = []
+        for _run, generation, trainers in requests:
+            for t in trainers:
+                self._observe_trainer(t)
+            out.append(self.control(generation))
+        return out
+
+    def _observe_trainer(self, trainer: dict | None) -> None:
+        if trainer:
+            try:
+                self.tuner.observe_trainer(**trainer)
+                self._decide()
+            except (TypeError, ValueError) as e:   # a malformed report must not fail the control call
+                log.debug("ray_ckpt coordinator: trainer report ignored: %s", e)
 
     def request_full(self, generation: int, reason: str) -> None:
         """Ask the trainer of ``generation`` for a full at its next step (e.g. the replica restarted)."""
@@ -759,17 +774,56 @@ class Coordinator:
         if (mem_plan is not None and mem_plan.step == p.step and mem_plan.generation == p.generation
                 and mem_plan.full.last_step >= p.full.last_step):
             p = mem_plan
+        refs = self._plan_refs([self.entries[m.name] for m in p.objects], alive)
         sources = []
         for m in p.objects:
             e = self.entries[m.name]
-            sources.append({"manifest": m.to_json(), "durable": e.durable,
-                            "refs": [refs[0] for refs in e.holders.values()]})
+            sources.append({"manifest": m.to_json(), "durable": e.durable, "refs": refs.get(m.name, [])})
         out = {"step": p.step, "generation": p.generation, "objects": sources}
         if self.replica is None:
             self._ask_replica()
         r = self.replica
         if self._replica_usable(p.generation) and p.full.last_step <= r.step <= p.step:
             out["replica"] = {"step": r.step, "node": r.node}
+        return out
+
+    def _plan_refs(self, entries: list, alive: set[str]) -> dict:
+        """``{name: [ObjectRef, ...]}``: for each of ``entries`` one reference per live holder. ``held`` reports
+        carry none (a reference in every report cost this actor Ray's borrower bookkeeping per message, plans are
+        rare): the holders are asked, one call per node (:meth:`holder_refs`); a reference that came with the
+        entry (a rebuild's inventory, a ``persist`` announcement) is used as it is."""
+        out: dict[str, list] = {}
+        ask: dict[str, list[str]] = {}
+        for e in entries:
+            name = e.manifest.name
+            for node, refs in e.holders.items():
+                if node not in alive:
+                    continue
+                if refs and refs[0] is not None:
+                    out.setdefault(name, []).append(refs[0])
+                else:
+                    ask.setdefault(node, []).append(name)
+        got = self.holder_refs(ask) if ask else {}
+        for node, names in ask.items():
+            answer = got.get(node) or {}
+            for name in names:
+                out.setdefault(name, []).extend(answer.get(name, [])[:1])
+        return out
+
+    def holder_refs(self, ask: dict, timeout: float = 10.0) -> dict:
+        """``{node: {name: [ObjectRef]}}`` of the objects ``ask`` names per node, from the run's persistence
+        workers there (all asked at once); a worker that does not answer within ``timeout`` gives none (its
+        objects are read from another holder or from storage). Coordinator actor; the scale benchmark's
+        subclass answers for its simulated nodes."""
+        calls = {node: w.holder_refs.remote(ask[node]) for node, w in self._worker_handles(ask).items()}
+        out = {}
+        if calls:
+            ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout)
+        for node, ref in calls.items():
+            try:
+                out[node] = ray.get(ref, timeout=0)
+            except Exception as e:  # noqa: BLE001 - restarting, gone or slow: no memory copy from it
+                log.info("ray_ckpt coordinator: node %s gave no object references for a plan: %s", node[:12], e)
         return out
 
     def status(self, max_age: float = 0.0) -> dict:
@@ -928,6 +982,18 @@ class CoordinatorHost(lineages.LineageHost):
             if now - self._reporting[0] > 1.0:
                 self._reporting = (now, sum(len(c._reporters) for c in self._each()))
             out = max(out, self._reporting[1] / REPORT_CALLS_PER_S)
+        return out
+
+    def control_many(self, requests: list) -> list:
+        """:meth:`Coordinator.control_many` routed per lineage: one call per node's worker host per relay
+        interval for all its ranks (an answer is None for a lineage that failed). Coordinator host actor."""
+        out = []
+        for run, generation, trainers in requests:
+            try:
+                out.append(self._lineage(run, True).control_many([(run, generation, trainers)])[0])
+            except Exception as e:  # noqa: BLE001 - one lineage's failure must not fail the node's others
+                log.debug("ray_ckpt coordinator: control of %r failed: %s", run, e)
+                out.append(None)
         return out
 
     def open_lineage(self, run: str, storage_uri: str) -> None:
