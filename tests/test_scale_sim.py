@@ -7,10 +7,15 @@ import uuid
 
 import pytest
 
+import time
+
+import ray
+
 from benchmarks.scale import SimCoordinator, SimJob, node_ids
 from ray_ckpt.lineage import Manifest
 from ray_ckpt.runtime import coordinator as C
-from ray_ckpt.runtime.worker import pack_reports
+from ray_ckpt.runtime import lineages
+from ray_ckpt.runtime.worker import CONTROL_RELAY_S, get_or_create_worker, pack_reports
 from ray_ckpt.storage import open_storage
 
 pytestmark = pytest.mark.ray
@@ -126,3 +131,31 @@ def test_a_lost_simulated_node_is_handled_as_a_real_one(ray_cluster, tmp_path):
     coord.update(node, [("started", node)])
     assert all(node not in e.holders for e in coord.entries.values())
     assert coord.sim_figures(gens)["streams"] == job.expected(alive - {node})["streams"]
+
+
+def test_a_node_worker_relays_its_ranks_control(ray_cluster, tmp_path):
+    """A sharded job's rank asks its node's worker for control; the worker host asks the coordinator host for all
+    its lineages in one call: a full asked for reaches the rank once, as through a direct ``control``."""
+    job = f"relay-{uuid.uuid4().hex[:8]}"
+    root = open_storage(str(tmp_path / "root"))
+    runs = [f"{job}:shard-w00002-r{r:05d}" for r in range(2)]
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        for run in runs:
+            C.get_or_create_coordinator(run, lineages.lineage_storage(root, run), full_every=10, batch_steps=2)
+        workers = [get_or_create_worker(run, node, lineages.lineage_storage(root, run), 1 << 20) for run in runs]
+        ray.get([w.ping.remote() for w in workers])
+        assert ray.get(workers[0].control.remote(1)) is None      # nothing relayed yet: the rank asks directly
+        ray.get(lineages.coordinator(runs[1]).request_full.remote(1, "test"))
+        for w in workers:
+            w.control.remote(1)
+        deadline = time.monotonic() + 30
+        got = [None, None]
+        while None in got and time.monotonic() < deadline:
+            time.sleep(CONTROL_RELAY_S)
+            got = [g or ray.get(w.control.remote(1)) for g, w in zip(got, workers)]
+        assert [g["want_full"] for g in got] == [False, True]     # each lineage's own answer
+        assert ray.get(workers[1].control.remote(1))["want_full"] is False   # delivered once
+        assert ray.get(lineages.coordinator(runs[1]).control.remote(1))["want_full"] is False   # consumed there
+    finally:
+        C.shutdown_job(job)

@@ -153,6 +153,7 @@ class RaySink(BoundedSink):
         self._relay_control = lineages.is_shard_run(run)
         self._control_via = None
         self._control_direct = False
+        self.control_asks = {"relayed": 0, "direct": 0}   # control answers received, by path
         self._poll_t = 0.0
         self.actor_calls = 0          # calls to the persistence worker (submit, poll, flush)
         self.chunks_sent = 0
@@ -213,6 +214,7 @@ class RaySink(BoundedSink):
                "resent_chunks": self.resent_chunks, "unsafe_chunks": len(self._unsafe),
                "handoff_seconds": self.handoff_seconds, "sender_cpu_seconds": self.sender_cpu_seconds,
                "delegated_fulls": bool(self.replica_enabled and self._control["delegate"]),
+               "control_answers": dict(self.control_asks),
                "durable_diffs": {"mode": self.durable_choice, "auto": self.auto_durable,
                                  "write_bandwidth": self.write_bw, "reason": self.durable_reason}}
         try:
@@ -518,6 +520,7 @@ class RaySink(BoundedSink):
                         self._control_ref, self._control_t = None, 0.0
                         self._control_direct = True
                         return self._housekeeping_control(now)
+                    self.control_asks["relayed" if relayed else "direct"] += 1
                     self._control["delegate"] = got["delegate"]
                     for first, last in got.get("gaps", []):
                         log.warning("ray_ckpt: lost steps %d..%d of run %r (held nowhere, never written): they "
