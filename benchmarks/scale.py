@@ -28,7 +28,9 @@ and the interval the coordinator answers (:meth:`~ray_ckpt.runtime.coordinator.C
 rank every 0.5 s; ``after`` — what nodes send now: ``held`` reports without object refs (a restore plan asks
 the holders: :meth:`NodeSim.holder_refs` answers for the simulated nodes, one call per process) and, in the
 every-rank workload, one ``control_many`` call per node every ``CONTROL_RELAY_S`` for all its ranks (the
-worker host's relay; a data-parallel job's rank 0 still asks ``control`` itself).
+worker host's relay; a data-parallel job's rank 0 still asks ``control`` itself), and no update call while the
+node's last one is unanswered (its messages go in the next); a first incarnation's ``started`` says so (the
+coordinator then re-reads no storage listing for it).
 
 Runs on a private local Ray through :func:`benchmarks.harness.private_ray`. Writes ``scale.json``/``.md``/``.png``
 (``--quick``: ``scale_quick.*``) to ``--out``.
@@ -85,11 +87,12 @@ class SimJob:
     ``(node, message)`` pairs of one chunk. ``refs``: what stands for the object refs (a cycle of them;
     ``["tagged"]``: the string ``"<node>:<name>"``). ``manifest_objects``: manifests travel as objects, as the
     worker sends them (else as JSON bytes, as at first). ``held_refs=False``: ``held`` reports carry None, as
-    the worker sends them now (a plan asks the holders: :meth:`ref_of`)."""
+    the worker sends them now (a plan asks the holders: :meth:`ref_of`). ``started_fresh``: each worker's
+    ``started`` says it is a first incarnation, as workers say now."""
 
     def __init__(self, nodes: list[str], ranks: int, *, workload: str = "ranks", chunk_steps: int = 2,
                  batch_steps: int = 10, full_every: int = 100, hold_chunks: int = 20, refs=(None,),
-                 manifest_objects: bool = False, held_refs: bool = True):
+                 manifest_objects: bool = False, held_refs: bool = True, started_fresh: bool = False):
         if workload not in ("ranks", "ddp"):
             raise ValueError(f"workload must be 'ranks' or 'ddp', got {workload!r}")
         self.nodes, self.ranks, self.workload = list(nodes), ranks, workload
@@ -97,6 +100,7 @@ class SimJob:
         self.hold_chunks = hold_chunks
         self.refs, self._ref_i = list(refs), 0
         self.held_refs = held_refs
+        self.started_fresh = started_fresh
         self._wire = (lambda m: m) if manifest_objects else (lambda m: m.to_json())
         n_streams = len(nodes) * ranks if workload == "ranks" else 1
         self.streams = list(range(n_streams))
@@ -150,7 +154,7 @@ class SimJob:
     # -- messages ----------------------------------------------------------------------------------------------
     def start(self) -> list[tuple[str, tuple]]:
         """Every worker's ``started``, then each stream's attach full (held, replicated, durable)."""
-        out = [(n, ("started", n)) for n in self.nodes]
+        out = [(n, ("started", n, True) if self.started_fresh else ("started", n)) for n in self.nodes]
         for s in self.streams:
             out += self._hold(s, _manifest("full", self.generation(s), self.base(s), self.base(s)))
             out += self._commit(s, _manifest("full", self.generation(s), self.base(s), self.base(s)), [])
@@ -335,7 +339,7 @@ class NodeSim:
         import ray
         refs = [ray.put(b"x" * 64) for _ in range(64)] if with_refs else [None]
         job = SimJob(nodes, ranks, workload=workload, chunk_steps=chunk_steps, refs=refs,
-                     manifest_objects=mode != "legacy", held_refs=mode != "after")
+                     manifest_objects=mode != "legacy", held_refs=mode != "after", started_fresh=mode == "after")
         gen_of = {s: job.generation(s) + stream_offset for s in job.streams}
         job.generation = lambda s: gen_of[s]                                 # generations unique across sims
         job.base = lambda s: (gen_of[s] - 1) * STEP_BASE
@@ -361,6 +365,8 @@ class NodeSim:
         requests = {n: job.control_request(n) for n in nodes} if relay else {}
         inflight: dict = {}
         controls: dict = {}
+        busy: set = set()                 # nodes whose last update call is unanswered
+        one_in_flight = mode == "after"   # the worker sends no update while its last one is unanswered
         lags, ctl_lat, calls, msgs_sent, chunks, behind = [], [], 0, 0, 0, 0.0
 
         def reap(block: bool = False):
@@ -377,6 +383,7 @@ class NodeSim:
                             ctl_lat.append(now - info)
                         continue
                     node, oldest = info
+                    busy.discard(node)
                     if oldest >= t_meas:
                         lags.append(now - oldest)
                     if pack:
@@ -404,11 +411,14 @@ class NodeSim:
                 heapq.heappush(ev, (t + chunk_dt, 0, key))
             elif kind == 1:
                 msgs = buf[key]
+                if msgs and one_in_flight and key in busy:   # the last call unanswered: the messages wait
+                    msgs = []
                 if msgs:
                     buf[key] = []
                     body = [m for m, _ in msgs]
                     ref = coord.update.remote(key, _worker.pack_reports(body) if pack else body)
                     inflight[ref] = (key, msgs[0][1])
+                    busy.add(key)
                     calls += 1
                     msgs_sent += len(body)
                 if t < t_end or buf[key]:

@@ -45,7 +45,7 @@ def _play(coord: SimCoordinator, job: SimJob, rounds: int, pack: bool) -> list[f
 
 def _job(nodes, ranks=2, objects=True, held_refs=False):
     return SimJob(nodes, ranks, chunk_steps=2, batch_steps=10, full_every=20, hold_chunks=4, refs=["tagged"],
-                  manifest_objects=objects, held_refs=held_refs)
+                  manifest_objects=objects, held_refs=held_refs, started_fresh=not held_refs)
 
 
 def test_aggregated_reports_keep_a_64_node_lineage_exact(ray_cluster, tmp_path):
@@ -128,7 +128,7 @@ def test_a_lost_simulated_node_is_handled_as_a_real_one(ray_cluster, tmp_path):
     assert coord.plan(want["streams"][gen]["anywhere"][-1][1])["step"] == want["streams"][gen]["anywhere"][-1][1]
     # a restarted simulated worker ("started") holds nothing, as a real one
     node = nodes[3]
-    coord.update(node, [("started", node)])
+    coord.update(node, [("started", node, True)])   # even one saying it is a first incarnation: it held some
     assert all(node not in e.holders for e in coord.entries.values())
     assert coord.sim_figures(gens)["streams"] == job.expected(alive - {node})["streams"]
 
@@ -159,3 +159,19 @@ def test_a_node_worker_relays_its_ranks_control(ray_cluster, tmp_path):
         assert ray.get(lineages.coordinator(runs[1]).control.remote(1))["want_full"] is False   # consumed there
     finally:
         C.shutdown_job(job)
+
+
+def test_a_first_incarnation_is_not_healed_unless_its_node_held_something(ray_cluster, tmp_path, monkeypatch):
+    nodes = node_ids(4)
+    coord, job = _coord(tmp_path, "fresh"), _job(nodes)
+    coord.sim_join(nodes)
+    _play(coord, job, rounds=2, pack=True)
+    healed = []
+    monkeypatch.setattr(coord, "_heal", healed.append)
+    new = node_ids(1, tag="f")[0]
+    coord.sim_join([new])
+    coord.update(new, [("started", new, True)])     # a new node's first worker: nothing to heal or re-read
+    coord.update(new, [("started", new)])           # a restart (or an older worker, which does not say)
+    coord.update(nodes[1], [("started", nodes[1], True)])   # a first incarnation on a node that held chunks
+    assert healed == [new, nodes[1]]
+    assert all(nodes[1] not in e.holders for e in coord.entries.values())

@@ -275,8 +275,8 @@ class Coordinator:
                 self.report_durable(msg[1], msg[2])
             elif kind == "release":
                 self.release(node_id, msg[1])
-            elif kind == "started":
-                self.worker_started(node_id)
+            elif kind == "started":   # ("started", node[, first incarnation])
+                self.worker_started(node_id, fresh=len(msg) > 2 and bool(msg[2]))
         self._check_gaps()
         self._changes += 1
         return self.report_interval(node_id)
@@ -419,10 +419,15 @@ class Coordinator:
                 if not e.holders and not e.durable:
                     del self.entries[n]
 
-    def worker_started(self, node_id: str) -> None:
+    def worker_started(self, node_id: str, fresh: bool = False) -> None:
         """A (re)started worker holds nothing: forget its old object references, persist what only a peer
-        still holds of what it had received."""
+        still holds of what it had received. ``fresh``: the worker's first incarnation — when no object known
+        here was held by or received on that node either, there is nothing to heal and no report it could have
+        lost (the storage listing is not read again: a wide job's start re-read it once per node)."""
+        known = any(e.origin == node_id or node_id in e.holders for e in self.entries.values())
         self.drop_node(node_id)
+        if fresh and not known:
+            return
         self._refresh_durable()
         self._heal(node_id)
 

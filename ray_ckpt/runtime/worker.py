@@ -19,8 +19,10 @@ restart never opens a hole in the lineage.
 
 Messages to the coordinator (held, durable, released) go through one queue and one thread, in order, batched:
 one actor call per report interval (50 ms, longer in a wide job: the coordinator answers each call with the
-interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``), not one per step; they carry the
-manifests as objects (no JSON for the coordinator to parse and validate: the worker validated them on arrival).
+interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``), not one per step, and none while the
+last one is unanswered (a coordinator that is behind gets fewer, larger calls); they carry the manifests as
+objects (no JSON for the coordinator to parse and validate: the worker validated them on arrival) and no object
+references (a restore plan asks the holders for them: :meth:`PersistenceWorker.holder_refs`).
 
 With ``durable_diffs="fulls"`` (in the chunk's manifest info) a diff chunk is *lazy*: it is written only on
 flush, under memory pressure, or when it is not held on a second node (no peer acknowledged it within
@@ -145,8 +147,9 @@ class PersistenceWorker:
         self._ctl: dict[int, dict] = {}               # generation -> relayed control state (see control)
         for target, name in ((self._write_loop, "ray_ckpt-persist"), (self._report_loop, "ray_ckpt-report")):
             threading.Thread(target=target, daemon=True, name=name).start()
-        # a restarted worker lost its objects: tell the coordinator first (in order with what follows)
-        self._report(("started", self.node_id))
+        # a restarted worker lost its objects: tell the coordinator first (in order with what follows); a first
+        # incarnation says so (True: it never held anything, the coordinator has nothing to heal or re-read)
+        self._report(("started", self.node_id, not _reconstructed()))
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _coord(self):
@@ -503,10 +506,17 @@ class PersistenceWorker:
                 metrics_t = time.monotonic()
                 _metrics.worker_metrics(self.stats(), deltas)
             self._take_interval()
+            # one update call in flight: while the coordinator has not answered the last one (it is behind), the
+            # messages wait here and go in the next call (a saturated coordinator gets fewer, larger calls, and
+            # answers sooner, instead of a growing queue of calls each costing it Ray's per-call work)
+            busy = self._update_pending()
             with self._cv:
                 if not self._reports and not self._replica_calls:
                     self._cv.wait(1.0)
-                msgs, self._reports = self._reports, []
+                if busy:
+                    msgs = []
+                else:
+                    msgs, self._reports = self._reports, []
                 self._reports_sending = bool(msgs)
                 calls = list(self._replica_calls)
             if calls:
@@ -537,6 +547,17 @@ class PersistenceWorker:
                 self._cv.wait_for(lambda: self._flush_requested > 0, timeout=self._report_interval)
             if self._flush_requested > 0:
                 time.sleep(_REPORT_INTERVAL_S)
+
+    def _update_pending(self) -> bool:
+        """Report thread: whether the newest update call is still unanswered (never waits)."""
+        ref = self._last_update
+        if ref is None:
+            return False
+        try:
+            ready, _ = ray.wait([ref], timeout=0)
+        except Exception:  # noqa: BLE001 - a ref that cannot be waited on is not waited for
+            return False
+        return not ready
 
     def _take_interval(self) -> None:
         """Report thread: the report interval the coordinator asked for in its newest answer to an update call
@@ -757,6 +778,14 @@ def answered_interval(ref, current: float) -> float:
     except Exception:  # noqa: BLE001 - a restarting coordinator: keep the interval
         pass
     return current
+
+
+def _reconstructed() -> bool:
+    """Whether this actor is a restarted incarnation (a hosted lineage's worker: whether its host is). Actor."""
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not in an actor: say restarted (the coordinator then does the full check)
+        return True
 
 
 def _lazy(m: Manifest) -> bool:
