@@ -335,11 +335,12 @@ class NodeSim:
 
     def run(self, coord, nodes: list[str], ranks: int, workload: str, mode: str, steps_per_s: float,
             seconds: float, warmup: float, chunk_steps: int, stream_offset: int, with_refs: bool = True,
-            rank_controls: bool = True) -> dict:
+            rank_controls: bool = True, fresh_starts: bool = True) -> dict:
         import ray
         refs = [ray.put(b"x" * 64) for _ in range(64)] if with_refs else [None]
         job = SimJob(nodes, ranks, workload=workload, chunk_steps=chunk_steps, refs=refs,
-                     manifest_objects=mode != "legacy", held_refs=mode != "after", started_fresh=mode == "after")
+                     manifest_objects=mode != "legacy", held_refs=mode != "after",
+                     started_fresh=mode == "after" and fresh_starts)
         gen_of = {s: job.generation(s) + stream_offset for s in job.streams}
         job.generation = lambda s: gen_of[s]                                 # generations unique across sims
         job.base = lambda s: (gen_of[s] - 1) * STEP_BASE
@@ -570,7 +571,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: float, warmup: float,
                 steps_per_s: float, chunk_steps: int, sims: int, tmp: str, with_refs: bool = True,
-                rank_controls: bool = True) -> dict:
+                rank_controls: bool = True, fresh_starts: bool = True) -> dict:
     """One configuration: a fresh coordinator actor, ``sims`` NodeSim actors sharing the nodes, the probes."""
     import ray
     from ray_ckpt.engine.lease import Lease
@@ -597,7 +598,7 @@ def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: fl
         off += len(s) * ranks if workload == "ranks" else 1
     cpu0, t0 = _proc_cpu(pid), time.monotonic()
     runs = [a.run.remote(coord, s, ranks, workload, mode, steps_per_s, seconds, warmup, chunk_steps, o, with_refs,
-                         rank_controls)
+                         rank_controls, fresh_starts)
             for a, s, o in zip(actors, share, offsets)]
     # probes: a restore plan every 2 s and a control call every 0.25 s, as one more training process sees them
     plan_lat, probe_ctl = [], []
@@ -644,7 +645,7 @@ def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: fl
     streams = sum(o["streams"] for o in outs)
     target_chunks = streams * steps_per_s / chunk_steps * seconds
     row = {"nodes": nodes, "ranks": ranks, "workload": workload, "mode": mode, "streams": streams,
-           "object_refs": with_refs, "rank_controls": rank_controls,
+           "object_refs": with_refs, "rank_controls": rank_controls, "fresh_starts": fresh_starts,
            "seconds": seconds, "warmup": warmup,
            "controls_per_s": rank_controls * ((nodes / CONTROL_RELAY_S) if workload == "ranks" and mode == "after"
                                               else (streams if workload == "ranks" else 1) / CONTROL_S)
@@ -678,7 +679,7 @@ def knee(rows: list[dict], workload: str, mode: str) -> dict:
     """The widest configuration that held (the coordinator's CPU for the window's work below 85% of a core, the
     generator on rate) and the first that did not."""
     rs = sorted((r for r in rows if r["workload"] == workload and r["mode"] == mode and r["object_refs"]
-                 and r["rank_controls"]), key=lambda r: r["nodes"])
+                 and r["rank_controls"] and r.get("fresh_starts", True)), key=lambda r: r["nodes"])
     held = [r["nodes"] for r in rs if not r["saturated"] and not r["generator_short"]]
     failed = [r["nodes"] for r in rs if r["saturated"]]
     return {"holds_up_to_nodes": max(held, default=None), "saturates_at_nodes": min(failed, default=None)}
@@ -694,7 +695,7 @@ def markdown(result: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in result["rows"]:
         c, v = r["control_ms"], r["view_lag_ms"]
-        lines.append(f"| {r['workload']} | {r['mode']}{'' if r['object_refs'] else ' (no refs)'}{'' if r['rank_controls'] else ' (no control polls)'} | {r['nodes']} | {r['streams']} | {r['messages_per_s']:,.0f} | "
+        lines.append(f"| {r['workload']} | {r['mode']}{'' if r['object_refs'] else ' (no refs)'}{'' if r['rank_controls'] else ' (no control polls)'}{'' if r.get('fresh_starts', True) else ' (full starts)'} | {r['nodes']} | {r['streams']} | {r['messages_per_s']:,.0f} | "
                      f"{r['calls_per_s']:,.0f} | {100 * r['coordinator_cpu']:.0f} | {r['coordinator_rss_mb']:.0f} | "
                      f"{c['p50']}/{c['p99']} | {r['plan_ms']['p50']} | {v['p50']}/{v['p99']} | "
                      f"{'no' if r['generator_short'] else 'yes'}{' (saturated)' if r['saturated'] else ''} |")
@@ -705,12 +706,14 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
     rows = result["rows"]
     fig, ax = report.pyplot().subplots(1, 3, figsize=(13, 3.6))
-    for (wl, mode, refs, ctl) in sorted({(r["workload"], r["mode"], r["object_refs"], r["rank_controls"])
-                                         for r in rows}):
-        rs = sorted((r for r in rows if (r["workload"], r["mode"], r["object_refs"], r["rank_controls"])
-                     == (wl, mode, refs, ctl)), key=lambda r: r["nodes"])
+    def kind(r):
+        return r["workload"], r["mode"], r["object_refs"], r["rank_controls"], r.get("fresh_starts", True)
+
+    for (wl, mode, refs, ctl, fresh) in sorted({kind(r) for r in rows}):
+        rs = sorted((r for r in rows if kind(r) == (wl, mode, refs, ctl, fresh)), key=lambda r: r["nodes"])
         xs = [r["nodes"] for r in rs]
-        label = f"{wl}, {mode}" + ("" if refs else " (no refs)") + ("" if ctl else " (no control polls)")
+        label = f"{wl}, {mode}" + ("" if refs else " (no refs)") + ("" if ctl else " (no control polls)") \
+            + ("" if fresh else " (full starts)")
         ax[0].plot(xs, [100 * r["coordinator_cpu"] for r in rs], "o-", label=label)
         ax[1].plot(xs, [r["control_ms"]["p99"] or 0 for r in rs], "o-", label=label)
         ax[2].plot(xs, [r["view_lag_ms"]["p99"] or 0 for r in rs], "o-", label=label)
@@ -752,7 +755,8 @@ def _scaled(seconds: float, nodes: int, floor: float) -> float:
 
 def _echo(row: dict) -> None:
     print(f"[scale] {row['workload']} {row['mode']} {row['nodes']} nodes{'' if row['object_refs'] else ' (no refs)'}"
-          f"{'' if row['rank_controls'] else ' (no control polls)'}: "
+          f"{'' if row['rank_controls'] else ' (no control polls)'}"
+          f"{'' if row.get('fresh_starts', True) else ' (full starts)'}: "
           f"{row['messages_per_s']:,.0f} msgs/s in {row['calls_per_s']:,.0f} calls/s, coordinator "
           f"{100 * row['coordinator_cpu']:.0f}% of a core, control p99 {row['control_ms']['p99']} ms, plan "
           f"{row['plan_ms']['p50']} ms, lag p99 {row['view_lag_ms']['p99']} ms"
@@ -777,6 +781,9 @@ def main(argv=None) -> int:
                     "once more, before, with None in place of object refs (what the refs cost the coordinator)")
     ap.add_argument("--no-control-at", default="", help="node counts at which the every-rank workload runs once "
                     "more, before, without the ranks' control polls (what they cost the coordinator)")
+    ap.add_argument("--full-starts-at", default="", help="node counts at which the every-rank workload runs once "
+                    "more, after, with each worker's 'started' not saying it is a first incarnation (what re-reading "
+                    "the listing at every node's start costs the coordinator)")
     ap.add_argument("--ddp-nodes", default="", help="node counts of the data-parallel workload (default: --nodes)")
     ap.add_argument("--tag", default="", help="results as scale_<tag>.* (diagnostic runs)")
     ap.add_argument("--model", action="store_true", help="only write the cost model's example jobs "
@@ -832,6 +839,13 @@ def main(argv=None) -> int:
                     row = measure_one(n, a.ranks, "ranks", "before", seconds=_scaled(seconds, n, 2.0),
                                       warmup=_scaled(warmup, n, 1.0), steps_per_s=a.steps_per_s,
                                       chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp, rank_controls=False)
+                    rows.append(row)
+                    _echo(row)
+            for n in [int(x) for x in a.full_starts_at.split(",") if x.strip()]:
+                if "ranks" in workloads and "after" in modes:
+                    row = measure_one(n, a.ranks, "ranks", "after", seconds=_scaled(seconds, n, 2.0),
+                                      warmup=_scaled(warmup, n, 1.0), steps_per_s=a.steps_per_s,
+                                      chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp, fresh_starts=False)
                     rows.append(row)
                     _echo(row)
         finally:
