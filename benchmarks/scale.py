@@ -259,7 +259,7 @@ class SimCoordinator(Coordinator):
         self.sim_job: SimJob | None = None          # in-process tests: the job whose nodes answer plans
         super().__init__(*args, **kwargs)
 
-    def holder_refs(self, ask: dict, timeout: float = 10.0) -> dict:
+    def holder_refs(self, ask: dict, timeout: float = 5.0) -> dict:
         """The simulated nodes' answers to a plan's ask (as their workers': the refs they hold): the NodeSim
         actors playing them are asked, one call each (in tests, :attr:`sim_job` answers in-process)."""
         real = {n: v for n, v in ask.items() if n not in self.sim_nodes}

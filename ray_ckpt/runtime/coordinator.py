@@ -64,6 +64,10 @@ REPORT_CALLS_PER_S = 200.0
 MIN_REPORT_INTERVAL_S = 0.05
 #: a node that sent no update for this long no longer counts towards the report interval
 _REPORTER_TTL_S = 5.0
+#: how long a restore plan waits for the holders' object references (then once more, this long, for objects
+#: held only in memory): held reports carry none (see Coordinator._plan_refs)
+PLAN_REFS_TIMEOUT_S = 5.0
+PLAN_REFS_PATIENCE_S = 20.0
 #: manifests parsed from the same bytes (an origin's report and its peer's report of the same chunk) are reused
 _PARSED_CACHE = 4096
 
@@ -813,9 +817,19 @@ class Coordinator:
             answer = got.get(node) or {}
             for name in names:
                 out.setdefault(name, []).extend(answer.get(name, [])[:1])
+        # an object held only in memory whose holders did not answer in time (a loaded node): ask those again,
+        # longer — storage has no copy of it to fall back to
+        late = {node: [n for n in names if n not in out or not out[n]]
+                for node, names in ask.items() if node not in got}
+        late = {node: names for node, names in late.items()
+                if any(not self.entries[n].durable for n in names)}
+        if late:
+            for node, answer in self.holder_refs(late, timeout=PLAN_REFS_PATIENCE_S).items():
+                for name, refs in answer.items():
+                    out.setdefault(name, []).extend(refs[:1])
         return out
 
-    def holder_refs(self, ask: dict, timeout: float = 10.0) -> dict:
+    def holder_refs(self, ask: dict, timeout: float = PLAN_REFS_TIMEOUT_S) -> dict:
         """``{node: {name: [ObjectRef]}}`` of the objects ``ask`` names per node, from the run's persistence
         workers there (all asked at once); a worker that does not answer within ``timeout`` gives none (its
         objects are read from another holder or from storage). Coordinator actor; the scale benchmark's
