@@ -76,7 +76,7 @@ _PARSED_CACHE = 4096
 class _Entry:
     manifest: Manifest
     durable: bool = False
-    holders: dict = field(default_factory=dict)  # node_id -> [ObjectRef]
+    holders: dict = field(default_factory=dict)  # node_id -> [ObjectRef], or [None]: asked at a plan
     origin: str | None = None                    # node whose worker received it from the trainer
 
 
