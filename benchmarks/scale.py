@@ -21,10 +21,16 @@ Workloads: ``ranks`` — every rank checkpoints its own lineage through its node
 step range, since the coordinator keeps one lineage per run); ``ddp`` — what a data-parallel job sends today:
 world rank 0's chunks, held on its node and on the next one, every node's worker started.
 
-Modes: ``before`` — the report path as it was (one call per node every 50 ms, a tuple per message, manifests as
-JSON the coordinator parses); ``after`` — manifests as objects, :func:`ray_ckpt.runtime.worker.pack_reports`
+Modes: ``legacy`` — the first report path (one call per node every 50 ms, a tuple per message, manifests as
+JSON the coordinator parses); ``before`` — manifests as objects, :func:`ray_ckpt.runtime.worker.pack_reports`
 and the interval the coordinator answers (:meth:`~ray_ckpt.runtime.coordinator.Coordinator.report_interval`,
-``REPORT_CALLS_PER_S`` calls a second in all).
+``REPORT_CALLS_PER_S`` calls a second in all), an object ref in every ``held`` report and a ``control`` call per
+rank every 0.5 s; ``after`` — what nodes send now: ``held`` reports without object refs (a restore plan asks
+the holders: :meth:`NodeSim.holder_refs` answers for the simulated nodes, one call per process) and, in the
+every-rank workload, one ``control_many`` call per node every ``CONTROL_RELAY_S`` for all its ranks (the
+worker host's relay; a data-parallel job's rank 0 still asks ``control`` itself), and no update call while the
+node's last one is unanswered (its messages go in the next); a first incarnation's ``started`` says so (the
+coordinator then re-reads no storage listing for it).
 
 Runs on a private local Ray through :func:`benchmarks.harness.private_ray`. Writes ``scale.json``/``.md``/``.png``
 (``--quick``: ``scale_quick.*``) to ``--out``.
@@ -50,10 +56,13 @@ from benchmarks import harness, report
 from ray_ckpt.lineage import Lineage, Manifest, diff_name, full_name, object_key
 from ray_ckpt.runtime import worker as _worker
 from ray_ckpt.runtime.coordinator import REPORT_CALLS_PER_S, Coordinator
+from ray_ckpt.runtime.worker import CONTROL_RELAY_S
 
 STEP_BASE = 10 ** 8          #: the step range of each rank's lineage (rank stream s: steps from s * STEP_BASE)
 CONTROL_S = 0.5              #: the sender's control poll (runtime/sink.py _CONTROL_S)
 BEFORE_INTERVAL_S = 0.05     #: the report interval of a worker before (runtime/worker.py _REPORT_INTERVAL_S)
+#: the report paths the simulated nodes can play (see the module docstring)
+MODES = ("legacy", "before", "after")
 
 
 def node_ids(n: int, tag: str = "") -> list[str]:
@@ -77,17 +86,21 @@ class SimJob:
     ``workload="ddp"``: one stream (world rank 0), every node started. Deterministic: :meth:`emit` returns the
     ``(node, message)`` pairs of one chunk. ``refs``: what stands for the object refs (a cycle of them;
     ``["tagged"]``: the string ``"<node>:<name>"``). ``manifest_objects``: manifests travel as objects, as the
-    worker sends them now (else as JSON bytes, as before)."""
+    worker sends them (else as JSON bytes, as at first). ``held_refs=False``: ``held`` reports carry None, as
+    the worker sends them now (a plan asks the holders: :meth:`ref_of`). ``started_fresh``: each worker's
+    ``started`` says it is a first incarnation, as workers say now."""
 
     def __init__(self, nodes: list[str], ranks: int, *, workload: str = "ranks", chunk_steps: int = 2,
                  batch_steps: int = 10, full_every: int = 100, hold_chunks: int = 20, refs=(None,),
-                 manifest_objects: bool = False):
+                 manifest_objects: bool = False, held_refs: bool = True, started_fresh: bool = False):
         if workload not in ("ranks", "ddp"):
             raise ValueError(f"workload must be 'ranks' or 'ddp', got {workload!r}")
         self.nodes, self.ranks, self.workload = list(nodes), ranks, workload
         self.chunk_steps, self.batch_steps, self.full_every = chunk_steps, batch_steps, full_every
         self.hold_chunks = hold_chunks
         self.refs, self._ref_i = list(refs), 0
+        self.held_refs = held_refs
+        self.started_fresh = started_fresh
         self._wire = (lambda m: m) if manifest_objects else (lambda m: m.to_json())
         n_streams = len(nodes) * ranks if workload == "ranks" else 1
         self.streams = list(range(n_streams))
@@ -115,7 +128,23 @@ class SimJob:
         i = self._index[self.origin(s)]
         return self.nodes[(i + 1) % len(self.nodes)]
 
+    def ref_of(self, node: str, name: str):
+        """The object ref ``node`` holds for ``name`` (None when it holds none): what its worker answers a plan
+        (:meth:`ray_ckpt.runtime.worker.PersistenceWorker.holder_refs`)."""
+        if node not in self.holders.get(name, ()):
+            return None
+        return f"{node}:{name}" if self.refs == ["tagged"] else self.refs[hash(name) % len(self.refs)]
+
+    def control_request(self, node: str, job: str = "sim") -> list:
+        """The ``control_many`` request of ``node``'s worker host for its ranks (every-rank workload): one
+        ``(run, generation, trainer reports)`` per rank stream of the node."""
+        world = len(self.nodes) * self.ranks
+        return [(f"{job}:shard-w{world:05d}-r{s:05d}", self.generation(s), [])
+                for s in self.streams if self.origin(s) == node]
+
     def _ref(self, node: str, name: str):
+        if not self.held_refs:
+            return None
         if self.refs == ["tagged"]:   # tests: which node's copy a plan reads
             return f"{node}:{name}"
         r = self.refs[self._ref_i % len(self.refs)]
@@ -125,7 +154,7 @@ class SimJob:
     # -- messages ----------------------------------------------------------------------------------------------
     def start(self) -> list[tuple[str, tuple]]:
         """Every worker's ``started``, then each stream's attach full (held, replicated, durable)."""
-        out = [(n, ("started", n)) for n in self.nodes]
+        out = [(n, ("started", n, True) if self.started_fresh else ("started", n)) for n in self.nodes]
         for s in self.streams:
             out += self._hold(s, _manifest("full", self.generation(s), self.base(s), self.base(s)))
             out += self._commit(s, _manifest("full", self.generation(s), self.base(s), self.base(s)), [])
@@ -226,7 +255,40 @@ class SimCoordinator(Coordinator):
 
     def __init__(self, *args, **kwargs):
         self.sim_nodes: set[str] = set()
+        self.sim_players: dict[str, object] = {}   # simulated node -> the NodeSim actor playing it
+        self.sim_job: SimJob | None = None          # in-process tests: the job whose nodes answer plans
         super().__init__(*args, **kwargs)
+
+    def holder_refs(self, ask: dict, timeout: float = 5.0) -> dict:
+        """The simulated nodes' answers to a plan's ask (as their workers': the refs they hold): the NodeSim
+        actors playing them are asked, one call each (in tests, :attr:`sim_job` answers in-process)."""
+        real = {n: v for n, v in ask.items() if n not in self.sim_nodes}
+        out = super().holder_refs(real, timeout) if real else {}
+        if self.sim_job is not None:
+            for node, names in ask.items():
+                if node in self.sim_nodes:
+                    out[node] = {n: [r] for n in names if (r := self.sim_job.ref_of(node, n)) is not None}
+            return out
+        import ray
+        per: dict = {}
+        for node, names in ask.items():
+            player = self.sim_players.get(node)
+            if player is not None:
+                per.setdefault(player, {})[node] = names
+        calls = [p.holder_refs.remote(sub) for p, sub in per.items()]
+        if calls:
+            ray.wait(calls, num_returns=len(calls), timeout=timeout)
+            for c in calls:
+                try:
+                    out.update(ray.get(c, timeout=0))
+                except Exception:  # noqa: BLE001 - a slow player: no memory copies from its nodes
+                    pass
+        return out
+
+    def sim_play(self, nodes: list[str], player) -> None:
+        """``player`` (a NodeSim actor) answers plans for ``nodes``."""
+        for n in nodes:
+            self.sim_players[n] = player
 
     def alive_node_ids(self) -> set[str]:
         return super().alive_node_ids() | self.sim_nodes
@@ -257,20 +319,34 @@ class NodeSim:
     thread, an event heap (chunks at ``steps_per_s / chunk_steps`` per rank, each node's report at its
     interval, each rank's control poll every ``CONTROL_S``). Ray actor."""
 
+    job: SimJob | None = None
+
     def ready(self) -> bool:
         return True
 
+    def holder_refs(self, ask: dict) -> dict:
+        """``{node: {name: [ref]}}``: what the workers of the nodes this actor plays answer a plan (runs beside
+        :meth:`run`: the actor has two threads)."""
+        job = self.job
+        if job is None:
+            return {}
+        return {node: {n: [r] for n in names if (r := job.ref_of(node, n)) is not None}
+                for node, names in ask.items()}
+
     def run(self, coord, nodes: list[str], ranks: int, workload: str, mode: str, steps_per_s: float,
             seconds: float, warmup: float, chunk_steps: int, stream_offset: int, with_refs: bool = True,
-            rank_controls: bool = True) -> dict:
+            rank_controls: bool = True, fresh_starts: bool = True) -> dict:
         import ray
         refs = [ray.put(b"x" * 64) for _ in range(64)] if with_refs else [None]
         job = SimJob(nodes, ranks, workload=workload, chunk_steps=chunk_steps, refs=refs,
-                     manifest_objects=mode == "after")
+                     manifest_objects=mode != "legacy", held_refs=mode != "after",
+                     started_fresh=mode == "after" and fresh_starts)
         gen_of = {s: job.generation(s) + stream_offset for s in job.streams}
         job.generation = lambda s: gen_of[s]                                 # generations unique across sims
         job.base = lambda s: (gen_of[s] - 1) * STEP_BASE
-        pack = mode == "after"
+        self.job = job
+        pack = mode != "legacy"
+        relay = mode == "after" and workload == "ranks"   # one control_many per node (the worker host's relay)
         buf: dict[str, list] = {n: [] for n in nodes}
         interval = {n: BEFORE_INTERVAL_S for n in nodes}
         for node, msg in job.start():
@@ -281,11 +357,17 @@ class NodeSim:
         ev: list = []
         for i, s in enumerate(job.streams):
             heapq.heappush(ev, (t0 + chunk_dt * i / len(job.streams), 0, s))
-            heapq.heappush(ev, (t0 + CONTROL_S * i / len(job.streams), 2, s))
+            if not relay:
+                heapq.heappush(ev, (t0 + CONTROL_S * i / len(job.streams), 2, s))
         for i, n in enumerate(nodes):
             heapq.heappush(ev, (t0 + BEFORE_INTERVAL_S * i / len(nodes), 1, n))
+            if relay:
+                heapq.heappush(ev, (t0 + CONTROL_RELAY_S * i / len(nodes), 3, n))
+        requests = {n: job.control_request(n) for n in nodes} if relay else {}
         inflight: dict = {}
         controls: dict = {}
+        busy: set = set()                 # nodes whose last update call is unanswered
+        one_in_flight = mode == "after"   # the worker sends no update while its last one is unanswered
         lags, ctl_lat, calls, msgs_sent, chunks, behind = [], [], 0, 0, 0, 0.0
 
         def reap(block: bool = False):
@@ -302,6 +384,7 @@ class NodeSim:
                             ctl_lat.append(now - info)
                         continue
                     node, oldest = info
+                    busy.discard(node)
                     if oldest >= t_meas:
                         lags.append(now - oldest)
                     if pack:
@@ -329,21 +412,30 @@ class NodeSim:
                 heapq.heappush(ev, (t + chunk_dt, 0, key))
             elif kind == 1:
                 msgs = buf[key]
+                if msgs and one_in_flight and key in busy:   # the last call unanswered: the messages wait
+                    msgs = []
                 if msgs:
                     buf[key] = []
                     body = [m for m, _ in msgs]
                     ref = coord.update.remote(key, _worker.pack_reports(body) if pack else body)
                     inflight[ref] = (key, msgs[0][1])
+                    busy.add(key)
                     calls += 1
                     msgs_sent += len(body)
                 if t < t_end or buf[key]:
                     heapq.heappush(ev, (max(t + interval[key], time.monotonic() if t >= t_end else 0), 1, key))
-            else:
+            elif kind == 2:
                 if t >= t_end:
                     continue
                 if rank_controls and (workload == "ranks" or key == 0):
                     controls[coord.control.remote(gen_of[key])] = t
                 heapq.heappush(ev, (t + CONTROL_S, 2, key))
+            else:
+                if t >= t_end:
+                    continue
+                if rank_controls and requests[key]:
+                    controls[coord.control_many.remote(requests[key])] = t
+                heapq.heappush(ev, (t + CONTROL_RELAY_S, 3, key))
         while inflight or controls:
             reap(block=True)
         return {"calls": calls, "messages": msgs_sent, "chunks": chunks, "lags": lags, "control": ctl_lat,
@@ -370,9 +462,12 @@ def model_reports(nodes: int, ranks: int, workload: str, mode: str, *, steps_per
     msgs = streams * (held + durable + release) + nodes
     reporting = nodes if workload == "ranks" else min(nodes, 2)
     per_node_events = (streams / reporting) * (steps_per_s / chunk_steps)   # chunk events per reporting node / s
-    interval = BEFORE_INTERVAL_S if mode == "before" else max(BEFORE_INTERVAL_S, reporting / REPORT_CALLS_PER_S)
+    interval = BEFORE_INTERVAL_S if mode == "legacy" else max(BEFORE_INTERVAL_S, reporting / REPORT_CALLS_PER_S)
     calls = reporting * min(1 / interval, per_node_events) + (nodes - reporting) / seconds
-    controls = (streams if workload == "ranks" else 1) / CONTROL_S
+    if workload == "ranks" and mode == "after":   # one relayed control_many per node
+        controls = nodes / CONTROL_RELAY_S
+    else:
+        controls = (streams if workload == "ranks" else 1) / CONTROL_S
     return {"messages_per_s": msgs / seconds, "calls_per_s": calls, "controls_per_s": controls}
 
 
@@ -434,7 +529,10 @@ def job_costs(name: str, nodes: int, ranks: int, params: float, steps_per_s: flo
     msgs = lineages * (2 * r / c + 2 * r / c + r / c_d + 3 * r / fe)   # held x2, release x2, durable, full x3
     return {"job": name, "nodes": nodes, "ranks_per_node": ranks, "params": params, "steps_per_s": r,
             "sharded": sharded, "lineages": lineages, "chunk_steps": c, "durable_object_steps": c_d,
-            "coordinator_messages_per_s": msgs, "control_calls_per_s": lineages / CONTROL_S,
+            "coordinator_messages_per_s": msgs,
+            # a sharded job's ranks ask their node's worker, whose host asks the coordinator once per relay interval
+            "control_calls_per_s": nodes / CONTROL_RELAY_S if sharded else lineages / CONTROL_S,
+            "control_calls_per_s_before": lineages / CONTROL_S,
             "update_calls_per_s_before": reporting_nodes / BEFORE_INTERVAL_S,
             "update_calls_per_s_after": min(reporting_nodes / BEFORE_INTERVAL_S, REPORT_CALLS_PER_S),
             "object_store_bytes_per_s_per_origin_node": (D + S / fe) * r / (nodes if sharded else 1),
@@ -473,7 +571,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: float, warmup: float,
                 steps_per_s: float, chunk_steps: int, sims: int, tmp: str, with_refs: bool = True,
-                rank_controls: bool = True) -> dict:
+                rank_controls: bool = True, fresh_starts: bool = True) -> dict:
     """One configuration: a fresh coordinator actor, ``sims`` NodeSim actors sharing the nodes, the probes."""
     import ray
     from ray_ckpt.engine.lease import Lease
@@ -488,18 +586,19 @@ def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: fl
     ids = node_ids(nodes)
     ray.get(coord.sim_join.remote(ids))
     pid = ray.get(coord.pid.remote())
-    sim_cls = ray.remote(NodeSim).options(num_cpus=0)
+    sim_cls = ray.remote(NodeSim).options(num_cpus=0, max_concurrency=2)
     actors = [sim_cls.remote() for _ in range(sims)]
     ray.get([a.ready.remote() for a in actors], timeout=300)   # started: their clock and the probes' agree
     share = [ids[i::sims] for i in range(sims)] if workload == "ranks" else [ids] + [[] for _ in range(sims - 1)]
     share = [sorted(s) for s in share if s]
+    ray.get([coord.sim_play.remote(s, a) for a, s in zip(actors, share)])
     offsets, off = [], 0
     for s in share:
         offsets.append(off)
         off += len(s) * ranks if workload == "ranks" else 1
     cpu0, t0 = _proc_cpu(pid), time.monotonic()
     runs = [a.run.remote(coord, s, ranks, workload, mode, steps_per_s, seconds, warmup, chunk_steps, o, with_refs,
-                         rank_controls)
+                         rank_controls, fresh_starts)
             for a, s, o in zip(actors, share, offsets)]
     # probes: a restore plan every 2 s and a control call every 0.25 s, as one more training process sees them
     plan_lat, probe_ctl = [], []
@@ -546,9 +645,10 @@ def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: fl
     streams = sum(o["streams"] for o in outs)
     target_chunks = streams * steps_per_s / chunk_steps * seconds
     row = {"nodes": nodes, "ranks": ranks, "workload": workload, "mode": mode, "streams": streams,
-           "object_refs": with_refs, "rank_controls": rank_controls,
+           "object_refs": with_refs, "rank_controls": rank_controls, "fresh_starts": fresh_starts,
            "seconds": seconds, "warmup": warmup,
-           "controls_per_s": rank_controls * (streams if workload == "ranks" else 1) / CONTROL_S
+           "controls_per_s": rank_controls * ((nodes / CONTROL_RELAY_S) if workload == "ranks" and mode == "after"
+                                              else (streams if workload == "ranks" else 1) / CONTROL_S)
            + (1 - 1 / 8) / 0.25, "steps_per_s": steps_per_s, "chunk_steps": chunk_steps,
            "coordinator_cpu": work_cpu / span, "coordinator_cpu_window": (cpu_m - cpu_w) / (t_m - t_w),
            "coordinator_rss_mb": rss / 2 ** 20,
@@ -579,7 +679,7 @@ def knee(rows: list[dict], workload: str, mode: str) -> dict:
     """The widest configuration that held (the coordinator's CPU for the window's work below 85% of a core, the
     generator on rate) and the first that did not."""
     rs = sorted((r for r in rows if r["workload"] == workload and r["mode"] == mode and r["object_refs"]
-                 and r["rank_controls"]), key=lambda r: r["nodes"])
+                 and r["rank_controls"] and r.get("fresh_starts", True)), key=lambda r: r["nodes"])
     held = [r["nodes"] for r in rs if not r["saturated"] and not r["generator_short"]]
     failed = [r["nodes"] for r in rs if r["saturated"]]
     return {"holds_up_to_nodes": max(held, default=None), "saturates_at_nodes": min(failed, default=None)}
@@ -595,7 +695,7 @@ def markdown(result: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for r in result["rows"]:
         c, v = r["control_ms"], r["view_lag_ms"]
-        lines.append(f"| {r['workload']} | {r['mode']}{'' if r['object_refs'] else ' (no refs)'}{'' if r['rank_controls'] else ' (no control polls)'} | {r['nodes']} | {r['streams']} | {r['messages_per_s']:,.0f} | "
+        lines.append(f"| {r['workload']} | {r['mode']}{'' if r['object_refs'] else ' (no refs)'}{'' if r['rank_controls'] else ' (no control polls)'}{'' if r.get('fresh_starts', True) else ' (full starts)'} | {r['nodes']} | {r['streams']} | {r['messages_per_s']:,.0f} | "
                      f"{r['calls_per_s']:,.0f} | {100 * r['coordinator_cpu']:.0f} | {r['coordinator_rss_mb']:.0f} | "
                      f"{c['p50']}/{c['p99']} | {r['plan_ms']['p50']} | {v['p50']}/{v['p99']} | "
                      f"{'no' if r['generator_short'] else 'yes'}{' (saturated)' if r['saturated'] else ''} |")
@@ -606,12 +706,14 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
     rows = result["rows"]
     fig, ax = report.pyplot().subplots(1, 3, figsize=(13, 3.6))
-    for (wl, mode, refs, ctl) in sorted({(r["workload"], r["mode"], r["object_refs"], r["rank_controls"])
-                                         for r in rows}):
-        rs = sorted((r for r in rows if (r["workload"], r["mode"], r["object_refs"], r["rank_controls"])
-                     == (wl, mode, refs, ctl)), key=lambda r: r["nodes"])
+    def kind(r):
+        return r["workload"], r["mode"], r["object_refs"], r["rank_controls"], r.get("fresh_starts", True)
+
+    for (wl, mode, refs, ctl, fresh) in sorted({kind(r) for r in rows}):
+        rs = sorted((r for r in rows if kind(r) == (wl, mode, refs, ctl, fresh)), key=lambda r: r["nodes"])
         xs = [r["nodes"] for r in rs]
-        label = f"{wl}, {mode}" + ("" if refs else " (no refs)") + ("" if ctl else " (no control polls)")
+        label = f"{wl}, {mode}" + ("" if refs else " (no refs)") + ("" if ctl else " (no control polls)") \
+            + ("" if fresh else " (full starts)")
         ax[0].plot(xs, [100 * r["coordinator_cpu"] for r in rs], "o-", label=label)
         ax[1].plot(xs, [r["control_ms"]["p99"] or 0 for r in rs], "o-", label=label)
         ax[2].plot(xs, [r["view_lag_ms"]["p99"] or 0 for r in rs], "o-", label=label)
@@ -653,7 +755,8 @@ def _scaled(seconds: float, nodes: int, floor: float) -> float:
 
 def _echo(row: dict) -> None:
     print(f"[scale] {row['workload']} {row['mode']} {row['nodes']} nodes{'' if row['object_refs'] else ' (no refs)'}"
-          f"{'' if row['rank_controls'] else ' (no control polls)'}: "
+          f"{'' if row['rank_controls'] else ' (no control polls)'}"
+          f"{'' if row.get('fresh_starts', True) else ' (full starts)'}: "
           f"{row['messages_per_s']:,.0f} msgs/s in {row['calls_per_s']:,.0f} calls/s, coordinator "
           f"{100 * row['coordinator_cpu']:.0f}% of a core, control p99 {row['control_ms']['p99']} ms, plan "
           f"{row['plan_ms']['p50']} ms, lag p99 {row['view_lag_ms']['p99']} ms"
@@ -672,12 +775,15 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=None)
     ap.add_argument("--sims", type=int, default=2, help="NodeSim processes")
     ap.add_argument("--workloads", default="ranks,ddp")
-    ap.add_argument("--modes", default="before,after")
+    ap.add_argument("--modes", default="before,after", help="report paths (legacy,before,after)")
     ap.add_argument("--out", default=harness.RESULTS)
     ap.add_argument("--no-refs-at", default="32,128", help="node counts at which the every-rank workload runs "
-                    "once more, after, with None in place of object refs (what the refs cost the coordinator)")
+                    "once more, before, with None in place of object refs (what the refs cost the coordinator)")
     ap.add_argument("--no-control-at", default="", help="node counts at which the every-rank workload runs once "
-                    "more, after, without the ranks' control polls (what they cost the coordinator)")
+                    "more, before, without the ranks' control polls (what they cost the coordinator)")
+    ap.add_argument("--full-starts-at", default="", help="node counts at which the every-rank workload runs once "
+                    "more, after, with each worker's 'started' not saying it is a first incarnation (what re-reading "
+                    "the listing at every node's start costs the coordinator)")
     ap.add_argument("--ddp-nodes", default="", help="node counts of the data-parallel workload (default: --nodes)")
     ap.add_argument("--tag", default="", help="results as scale_<tag>.* (diagnostic runs)")
     ap.add_argument("--model", action="store_true", help="only write the cost model's example jobs "
@@ -698,8 +804,8 @@ def main(argv=None) -> int:
     ddp_nodes = [int(x) for x in a.ddp_nodes.split(",") if x.strip()]
     workloads = [w for w in a.workloads.split(",") if w]
     modes = [m for m in a.modes.split(",") if m]
-    if not set(workloads) <= {"ranks", "ddp"} or not set(modes) <= {"before", "after"}:
-        ap.error("workloads: ranks,ddp; modes: before,after")
+    if not set(workloads) <= {"ranks", "ddp"} or not set(modes) <= set(MODES):
+        ap.error("workloads: ranks,ddp; modes: " + ",".join(MODES))
     import ray
     tmp = tempfile.mkdtemp(prefix="ray_ckpt-scale-", dir="/tmp")
     rows = []
@@ -721,18 +827,25 @@ def main(argv=None) -> int:
                         with open(os.path.join(tmp, "rows.json"), "w") as f:   # a run cut short keeps its rows
                             json.dump(rows, f, default=str)
             for n in [int(x) for x in a.no_refs_at.split(",") if x.strip()]:
-                if "ranks" in workloads and "after" in modes:
-                    row = measure_one(n, a.ranks, "ranks", "after", seconds=_scaled(seconds, n, 2.0),
+                if "ranks" in workloads and "before" in modes:
+                    row = measure_one(n, a.ranks, "ranks", "before", seconds=_scaled(seconds, n, 2.0),
                                       warmup=_scaled(warmup, n, 1.0),
                                       steps_per_s=a.steps_per_s, chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp,
                                       with_refs=False)
                     rows.append(row)
                     _echo(row)
             for n in [int(x) for x in a.no_control_at.split(",") if x.strip()]:
+                if "ranks" in workloads and "before" in modes:
+                    row = measure_one(n, a.ranks, "ranks", "before", seconds=_scaled(seconds, n, 2.0),
+                                      warmup=_scaled(warmup, n, 1.0), steps_per_s=a.steps_per_s,
+                                      chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp, rank_controls=False)
+                    rows.append(row)
+                    _echo(row)
+            for n in [int(x) for x in a.full_starts_at.split(",") if x.strip()]:
                 if "ranks" in workloads and "after" in modes:
                     row = measure_one(n, a.ranks, "ranks", "after", seconds=_scaled(seconds, n, 2.0),
                                       warmup=_scaled(warmup, n, 1.0), steps_per_s=a.steps_per_s,
-                                      chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp, rank_controls=False)
+                                      chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp, fresh_starts=False)
                     rows.append(row)
                     _echo(row)
         finally:

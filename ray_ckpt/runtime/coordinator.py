@@ -64,6 +64,10 @@ REPORT_CALLS_PER_S = 200.0
 MIN_REPORT_INTERVAL_S = 0.05
 #: a node that sent no update for this long no longer counts towards the report interval
 _REPORTER_TTL_S = 5.0
+#: how long a restore plan waits for the holders' object references (then once more, this long, for objects
+#: held only in memory): held reports carry none (see Coordinator._plan_refs)
+PLAN_REFS_TIMEOUT_S = 5.0
+PLAN_REFS_PATIENCE_S = 20.0
 #: manifests parsed from the same bytes (an origin's report and its peer's report of the same chunk) are reused
 _PARSED_CACHE = 4096
 
@@ -72,7 +76,7 @@ _PARSED_CACHE = 4096
 class _Entry:
     manifest: Manifest
     durable: bool = False
-    holders: dict = field(default_factory=dict)  # node_id -> [ObjectRef]
+    holders: dict = field(default_factory=dict)  # node_id -> [ObjectRef], or [None]: asked at a plan
     origin: str | None = None                    # node whose worker received it from the trainer
 
 
@@ -275,8 +279,8 @@ class Coordinator:
                 self.report_durable(msg[1], msg[2])
             elif kind == "release":
                 self.release(node_id, msg[1])
-            elif kind == "started":
-                self.worker_started(node_id)
+            elif kind == "started":   # ("started", node[, first incarnation])
+                self.worker_started(node_id, fresh=len(msg) > 2 and bool(msg[2]))
         self._check_gaps()
         self._changes += 1
         return self.report_interval(node_id)
@@ -419,10 +423,15 @@ class Coordinator:
                 if not e.holders and not e.durable:
                     del self.entries[n]
 
-    def worker_started(self, node_id: str) -> None:
+    def worker_started(self, node_id: str, fresh: bool = False) -> None:
         """A (re)started worker holds nothing: forget its old object references, persist what only a peer
-        still holds of what it had received."""
+        still holds of what it had received. ``fresh``: the worker's first incarnation — when no object known
+        here was held by or received on that node either, there is nothing to heal and no report it could have
+        lost (the storage listing is not read again: a wide job's start re-read it once per node)."""
+        known = any(e.origin == node_id or node_id in e.holders for e in self.entries.values())
         self.drop_node(node_id)
+        if fresh and not known:
+            return
         self._refresh_durable()
         self._heal(node_id)
 
@@ -512,12 +521,7 @@ class Coordinator:
         next step (consumed); ``delegate`` — the replica materializes the policy's fulls. ``trainer``: the
         training thread's latest measured window (step time, capture, optimizer step, other CPU per step), fed
         to the adaptive policy's cost model."""
-        if trainer:
-            try:
-                self.tuner.observe_trainer(**trainer)
-                self._decide()
-            except (TypeError, ValueError) as e:   # a malformed report must not fail the control call
-                log.debug("ray_ckpt coordinator: trainer report ignored: %s", e)
+        self._observe_trainer(trainer)
         want = generation in self._want_full
         self._want_full.discard(generation)
         gaps = [g for g in self.gaps if g["generation"] == generation and not g.get("told")]
@@ -525,6 +529,26 @@ class Coordinator:
             g["told"] = True
         return {"want_full": want, "delegate": self._replica_usable(generation, max_age=1.0),
                 "gaps": [(g["first"], g["last"]) for g in gaps], "draining": dict(self._draining)}
+
+    def control_many(self, requests: list) -> list:
+        """:meth:`control` for several senders in one call: ``requests`` is ``[(run, generation, [trainer
+        reports]), ...]`` (a node's worker host relays its ranks' asks, :meth:`PersistenceWorker.control`);
+        answers in the same order. A run's coordinator answers every request itself (the run names only route in
+        :meth:`CoordinatorHost.control_many`)."""
+        out = []
+        for _run, generation, trainers in requests:
+            for t in trainers:
+                self._observe_trainer(t)
+            out.append(self.control(generation))
+        return out
+
+    def _observe_trainer(self, trainer: dict | None) -> None:
+        if trainer:
+            try:
+                self.tuner.observe_trainer(**trainer)
+                self._decide()
+            except (TypeError, ValueError) as e:   # a malformed report must not fail the control call
+                log.debug("ray_ckpt coordinator: trainer report ignored: %s", e)
 
     def request_full(self, generation: int, reason: str) -> None:
         """Ask the trainer of ``generation`` for a full at its next step (e.g. the replica restarted)."""
@@ -759,17 +783,66 @@ class Coordinator:
         if (mem_plan is not None and mem_plan.step == p.step and mem_plan.generation == p.generation
                 and mem_plan.full.last_step >= p.full.last_step):
             p = mem_plan
+        refs = self._plan_refs([self.entries[m.name] for m in p.objects], alive)
         sources = []
         for m in p.objects:
             e = self.entries[m.name]
-            sources.append({"manifest": m.to_json(), "durable": e.durable,
-                            "refs": [refs[0] for refs in e.holders.values()]})
+            sources.append({"manifest": m.to_json(), "durable": e.durable, "refs": refs.get(m.name, [])})
         out = {"step": p.step, "generation": p.generation, "objects": sources}
         if self.replica is None:
             self._ask_replica()
         r = self.replica
         if self._replica_usable(p.generation) and p.full.last_step <= r.step <= p.step:
             out["replica"] = {"step": r.step, "node": r.node}
+        return out
+
+    def _plan_refs(self, entries: list, alive: set[str]) -> dict:
+        """``{name: [ObjectRef, ...]}``: for each of ``entries`` one reference per live holder. ``held`` reports
+        carry none (a reference in every report cost this actor Ray's borrower bookkeeping per message, plans are
+        rare): the holders are asked, one call per node (:meth:`holder_refs`); a reference that came with the
+        entry (a rebuild's inventory, a ``persist`` announcement) is used as it is."""
+        out: dict[str, list] = {}
+        ask: dict[str, list[str]] = {}
+        for e in entries:
+            name = e.manifest.name
+            for node, refs in e.holders.items():
+                if node not in alive:
+                    continue
+                if refs and refs[0] is not None:
+                    out.setdefault(name, []).append(refs[0])
+                else:
+                    ask.setdefault(node, []).append(name)
+        got = self.holder_refs(ask) if ask else {}
+        for node, names in ask.items():
+            answer = got.get(node) or {}
+            for name in names:
+                out.setdefault(name, []).extend(answer.get(name, [])[:1])
+        # an object held only in memory whose holders did not answer in time (a loaded node): ask those again,
+        # longer — storage has no copy of it to fall back to
+        late = {node: [n for n in names if n not in out or not out[n]]
+                for node, names in ask.items() if node not in got}
+        late = {node: names for node, names in late.items()
+                if any(not self.entries[n].durable for n in names)}
+        if late:
+            for node, answer in self.holder_refs(late, timeout=PLAN_REFS_PATIENCE_S).items():
+                for name, refs in answer.items():
+                    out.setdefault(name, []).extend(refs[:1])
+        return out
+
+    def holder_refs(self, ask: dict, timeout: float = PLAN_REFS_TIMEOUT_S) -> dict:
+        """``{node: {name: [ObjectRef]}}`` of the objects ``ask`` names per node, from the run's persistence
+        workers there (all asked at once); a worker that does not answer within ``timeout`` gives none (its
+        objects are read from another holder or from storage). Coordinator actor; the scale benchmark's
+        subclass answers for its simulated nodes."""
+        calls = {node: w.holder_refs.remote(ask[node]) for node, w in self._worker_handles(ask).items()}
+        out = {}
+        if calls:
+            ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout)
+        for node, ref in calls.items():
+            try:
+                out[node] = ray.get(ref, timeout=0)
+            except Exception as e:  # noqa: BLE001 - restarting, gone or slow: no memory copy from it
+                log.info("ray_ckpt coordinator: node %s gave no object references for a plan: %s", node[:12], e)
         return out
 
     def status(self, max_age: float = 0.0) -> dict:
@@ -928,6 +1001,18 @@ class CoordinatorHost(lineages.LineageHost):
             if now - self._reporting[0] > 1.0:
                 self._reporting = (now, sum(len(c._reporters) for c in self._each()))
             out = max(out, self._reporting[1] / REPORT_CALLS_PER_S)
+        return out
+
+    def control_many(self, requests: list) -> list:
+        """:meth:`Coordinator.control_many` routed per lineage: one call per node's worker host per relay
+        interval for all its ranks (an answer is None for a lineage that failed). Coordinator host actor."""
+        out = []
+        for run, generation, trainers in requests:
+            try:
+                out.append(self._lineage(run, True).control_many([(run, generation, trainers)])[0])
+            except Exception as e:  # noqa: BLE001 - one lineage's failure must not fail the node's others
+                log.debug("ray_ckpt coordinator: control of %r failed: %s", run, e)
+                out.append(None)
         return out
 
     def open_lineage(self, run: str, storage_uri: str) -> None:

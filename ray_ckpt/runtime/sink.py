@@ -64,6 +64,7 @@ _CONTROL_S = 0.5        # how often the sender asks the coordinator for full-che
 _MAX_INFLIGHT = 2
 _REAP_S = 0.05          # how soon an idle sender collects the answers of hand-offs in flight
 _BANDWIDTH_S = 2.0      # how often the sender reads the node worker's write figures (durable_diffs="auto")
+_RELAY_WAIT_S = 2.0     # a relayed control ask unanswered this long is given up for a direct one
 
 
 #: encoded buffers smaller than this are laid end to end into one array before the hand-off: Ray pickles each
@@ -154,6 +155,12 @@ class RaySink(BoundedSink):
         self._control = {"want_full": False, "delegate": False}
         self._control_ref = None
         self._control_t = 0.0
+        #: a shard run asks its node's worker for control (relayed, one coordinator call per node), else the
+        #: coordinator; _control_via: the worker while an ask is relayed; _control_direct: the next ask is direct
+        self._relay_control = lineages.is_shard_run(run)
+        self._control_via = None
+        self._control_direct = False
+        self.control_asks = {"relayed": 0, "direct": 0}   # control answers received, by path
         self._poll_t = 0.0
         self.actor_calls = 0          # calls to the persistence worker (submit, poll, flush)
         self.chunks_sent = 0
@@ -214,6 +221,7 @@ class RaySink(BoundedSink):
                "resent_chunks": self.resent_chunks, "unsafe_chunks": len(self._unsafe),
                "handoff_seconds": self.handoff_seconds, "sender_cpu_seconds": self.sender_cpu_seconds,
                "delegated_fulls": bool(self.replica_enabled and self._control["delegate"]),
+               "control_answers": dict(self.control_asks),
                "durable_diffs": {"mode": self.durable_choice, "auto": self.auto_durable,
                                  "write_bandwidth": self.write_bw, "reason": self.durable_reason}}
         try:
@@ -508,9 +516,19 @@ class RaySink(BoundedSink):
             self._on_reply(self._call(lambda w: w.poll.remote(self.generation), "poll"))
         if self._control_ref is not None:
             ready, _ = ray.wait([self._control_ref], timeout=0)
-            if ready:
+            relayed = self._control_via is not None
+            if not ready and relayed and now - self._control_t > _RELAY_WAIT_S:
+                # the node's worker host does not answer (restarting, gone): ask the coordinator directly
+                self._control_via, self._control_ref = None, None
+                self._control_t, self._control_direct = 0.0, True
+            elif ready:
                 try:
                     got = ray.get(self._control_ref)
+                    if got is None:   # the relay has no fresh answer: ask the coordinator directly, now
+                        self._control_ref, self._control_t = None, 0.0
+                        self._control_direct = True
+                        return self._housekeeping_control(now)
+                    self.control_asks["relayed" if relayed else "direct"] += 1
                     self._control["delegate"] = got["delegate"]
                     for first, last in got.get("gaps", []):
                         log.warning("ray_ckpt: lost steps %d..%d of run %r (held nowhere, never written): they "
@@ -520,11 +538,26 @@ class RaySink(BoundedSink):
                     self._drain_control(got.get("draining") or {})
                 except Exception as e:  # noqa: BLE001 - the coordinator restarts: keep the last answer
                     log.debug("ray_ckpt: coordinator control unavailable: %s", e)
+                    if relayed:
+                        self._control_t, self._control_direct = 0.0, True
                 self._control_ref = None
+        self._housekeeping_control(now)
+
+    def _housekeeping_control(self, now: float) -> None:
+        """Sender thread: ask for full-checkpoint control every ``_CONTROL_S`` (one call in flight at most).
+        A shard run asks its node's worker, whose host relays the asks of all the node's ranks to the
+        coordinator in one call (:meth:`PersistenceWorker.control`); when the relay has no fresh answer or does
+        not answer, that ask goes to the coordinator directly (a rank never waits on a lost worker)."""
         if self._control_ref is None and now - self._control_t >= _CONTROL_S:
             self._control_t = now
+            direct, self._control_direct = self._control_direct, False
             try:
-                self._control_ref = self._coordinator.control.remote(self.generation, self._trainer_report())
+                if self._relay_control and not direct:
+                    self._control_via = self.worker
+                    self._control_ref = self.worker.control.remote(self.generation, self._trainer_report())
+                else:
+                    self._control_via = None
+                    self._control_ref = self._coordinator.control.remote(self.generation, self._trainer_report())
             except Exception:  # noqa: BLE001
                 self._control_ref = None
         if self.auto_durable:

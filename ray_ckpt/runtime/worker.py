@@ -19,8 +19,10 @@ restart never opens a hole in the lineage.
 
 Messages to the coordinator (held, durable, released) go through one queue and one thread, in order, batched:
 one actor call per report interval (50 ms, longer in a wide job: the coordinator answers each call with the
-interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``), not one per step; they carry the
-manifests as objects (no JSON for the coordinator to parse and validate: the worker validated them on arrival).
+interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``), not one per step, and none while the
+last one is unanswered (a coordinator that is behind gets fewer, larger calls); they carry the manifests as
+objects (no JSON for the coordinator to parse and validate: the worker validated them on arrival) and no object
+references (a restore plan asks the holders for them: :meth:`PersistenceWorker.holder_refs`).
 
 With ``durable_diffs="fulls"`` (in the chunk's manifest info) a diff chunk is *lazy*: it is written only on
 flush, under memory pressure, or when it is not held on a second node (no peer acknowledged it within
@@ -65,6 +67,12 @@ _RETRY_AFTER_FAILURE_S = 10.0   # a job whose write failed beyond its retry budg
 _DELIVERY_WAIT_S = 30.0       # flush: how long to wait for the coordinator to apply the last report
 #: durable_diffs="fulls": how long a diff chunk may wait for the peer's acknowledgement before it is written
 LAZY_GRACE_S = 10.0
+#: a sharded job's worker host asks the coordinator for its lineages' control this often (one call per node
+#: instead of one per rank every 0.5 s: runtime/sink.py's _CONTROL_S)
+CONTROL_RELAY_S = 0.5
+#: a relayed control answer older than this is not handed out (the sender asks the coordinator itself); a
+#: generation not asked for that long is no longer asked for
+CONTROL_STALE_S = 5.0
 
 
 @dataclass
@@ -136,10 +144,12 @@ class PersistenceWorker:
         self._draining: dict[str, int] = {}           # node drains (node -> deadline ms), see drain_notice
         self._drain_self = False                      # this node drains: write everything it received now
         self._replica_cache: tuple[float, object] | None = None
+        self._ctl: dict[int, dict] = {}               # generation -> relayed control state (see control)
         for target, name in ((self._write_loop, "ray_ckpt-persist"), (self._report_loop, "ray_ckpt-report")):
             threading.Thread(target=target, daemon=True, name=name).start()
-        # a restarted worker lost its objects: tell the coordinator first (in order with what follows)
-        self._report(("started", self.node_id))
+        # a restarted worker lost its objects: tell the coordinator first (in order with what follows); a first
+        # incarnation says so (True: it never held anything, the coordinator has nothing to heal or re-read)
+        self._report(("started", self.node_id, not _reconstructed()))
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _coord(self):
@@ -224,7 +234,7 @@ class PersistenceWorker:
             raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
         ref = ray.put(bufs)  # this actor owns the copy (ray.put's _owner is gone since Ray 2.56)
         self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)
-        self._report(("held", m, ref, self.node_id))
+        self._report(("held", m, None, self.node_id))   # no object ref: a plan asks the holders (holder_refs)
         peer, peer_node = self._peer() if replicate else (None, "")
         if peer is not None:
             call = peer.hold_replica.remote(m.to_json(), [ref], self.node_id)
@@ -264,7 +274,7 @@ class PersistenceWorker:
         bufs = as_buffers(value)
         ref = ray.put(bufs)
         self._hold(m, ref, sum(memoryview(b).nbytes for b in bufs), durable=False, replica=True, origin=origin)
-        self._report(("held", m, ref, origin))
+        self._report(("held", m, None, origin))
         self._stats["replicas"] += 1
         return True
 
@@ -341,6 +351,62 @@ class PersistenceWorker:
             ray.get(ref, timeout=max(0.1, min(_DELIVERY_WAIT_S, deadline - time.monotonic())))
         except Exception as e:  # noqa: BLE001 - restarting or slow: it rebuilds from inventories
             log.info("ray_ckpt: the coordinator has not confirmed this worker's last report: %s", e)
+
+    def holder_refs(self, names: list[str]) -> dict:
+        """``{name: [ObjectRef]}`` of the objects among ``names`` held here (a restore plan asks the holders:
+        ``held`` reports carry no object refs, see :meth:`Coordinator.plan`). Called by the coordinator."""
+        with self._cv:
+            return {n: [self._held[n].ref] for n in names if n in self._held}
+
+    # -- full-checkpoint control, relayed for this node's ranks (shard runs) -----------------------------------
+    def control(self, generation: int, trainer: dict | None = None) -> dict | None:
+        """The coordinator's latest control answer for ``generation``, as :meth:`Coordinator.control` gives it
+        (``want_full`` and ``gaps`` delivered once), asked by the rank's sender instead of the coordinator: the
+        node's worker host asks the coordinator once per ``CONTROL_RELAY_S`` for all its lineages
+        (:meth:`WorkerHost.control_many`). ``trainer`` is forwarded with the next ask. None while this worker
+        has no answer younger than ``CONTROL_STALE_S`` (the sender then asks the coordinator itself).
+        Training process (remote)."""
+        with self._cv:
+            st = self._ctl.setdefault(generation, {"asked": 0.0, "trainers": [], "answer": None, "at": 0.0,
+                                                   "want_full": False, "gaps": []})
+            st["asked"] = time.monotonic()
+            if trainer:
+                st["trainers"].append(trainer)
+            if st["answer"] is None or time.monotonic() - st["at"] > CONTROL_STALE_S:
+                return None
+            out = dict(st["answer"], want_full=st["want_full"], gaps=st["gaps"])
+            st["want_full"], st["gaps"] = False, []
+            return out
+
+    def control_requests(self) -> dict:
+        """``{generation: [trainer reports]}`` of the generations whose sender asked within
+        ``CONTROL_STALE_S`` (the reports taken). Worker host's control thread."""
+        now = time.monotonic()
+        with self._cv:
+            out = {}
+            for gen, st in list(self._ctl.items()):
+                if now - st["asked"] > CONTROL_STALE_S:
+                    if now - st["asked"] > 60.0 and not st["want_full"] and not st["gaps"]:
+                        del self._ctl[gen]
+                    continue
+                out[gen], st["trainers"] = st["trainers"], []
+            return out
+
+    def control_answer(self, generation: int, answer: dict, trainers: list) -> None:
+        """The coordinator's answer for ``generation`` (kept until the sender's next :meth:`control`; a
+        ``want_full`` or gap is kept until delivered). ``answer=None``: the ask failed, its ``trainers`` are
+        forwarded with the next one. Worker host's control thread."""
+        with self._cv:
+            st = self._ctl.get(generation)
+            if st is None:
+                return
+            if answer is None:
+                st["trainers"][:0] = trainers
+                return
+            st["answer"] = {"delegate": answer.get("delegate", False), "draining": answer.get("draining") or {}}
+            st["at"] = time.monotonic()
+            st["want_full"] = st["want_full"] or bool(answer.get("want_full"))
+            st["gaps"] = st["gaps"] + list(answer.get("gaps") or [])
 
     def inventory(self) -> list:
         """``[(manifest_json, [ref], durable)]`` of everything held (coordinator rebuild)."""
@@ -452,10 +518,17 @@ class PersistenceWorker:
                 metrics_t = time.monotonic()
                 _metrics.worker_metrics(self.stats(), deltas)
             self._take_interval()
+            # one update call in flight: while the coordinator has not answered the last one (it is behind), the
+            # messages wait here and go in the next call (a saturated coordinator gets fewer, larger calls, and
+            # answers sooner, instead of a growing queue of calls each costing it Ray's per-call work)
+            busy = self._update_pending()
             with self._cv:
                 if not self._reports and not self._replica_calls:
                     self._cv.wait(1.0)
-                msgs, self._reports = self._reports, []
+                if busy:
+                    msgs = []
+                else:
+                    msgs, self._reports = self._reports, []
                 self._reports_sending = bool(msgs)
                 calls = list(self._replica_calls)
             if calls:
@@ -486,6 +559,17 @@ class PersistenceWorker:
                 self._cv.wait_for(lambda: self._flush_requested > 0, timeout=self._report_interval)
             if self._flush_requested > 0:
                 time.sleep(_REPORT_INTERVAL_S)
+
+    def _update_pending(self) -> bool:
+        """Report thread: whether the newest update call is still unanswered (never waits)."""
+        ref = self._last_update
+        if ref is None:
+            return False
+        try:
+            ready, _ = ray.wait([ref], timeout=0)
+        except Exception:  # noqa: BLE001 - a ref that cannot be waited on is not waited for
+            return False
+        return not ready
 
     def _take_interval(self) -> None:
         """Report thread: the report interval the coordinator asked for in its newest answer to an update call
@@ -708,6 +792,14 @@ def answered_interval(ref, current: float) -> float:
     return current
 
 
+def _reconstructed() -> bool:
+    """Whether this actor is a restarted incarnation (a hosted lineage's worker: whether its host is). Actor."""
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not in an actor: say restarted (the coordinator then does the full check)
+        return True
+
+
 def _lazy(m: Manifest) -> bool:
     """A diff the durable tier gets only when needed (``durable_diffs`` "fulls" or "amber")."""
     return lazy_diffs(m)
@@ -735,7 +827,8 @@ class WorkerHost(lineages.LineageHost):
 
     OPENING = frozenset({"submit", "hold_replica", "ping", "poll"})   # the rank's sink pings and polls it first
     ABSENT = {"inventory": list, "persist": list, "persist_origin": list, "cover": int, "release": _none,
-              "mark_durable": _none, "drain_notice": dict, "flush": dict, "stats": dict}
+              "mark_durable": _none, "drain_notice": dict, "flush": dict, "stats": dict, "holder_refs": dict,
+              "control": _none}
 
     def __init__(self, job: str, root, memory_budget: int, write_timeout: float = 300.0):
         self._host_init(job)
@@ -748,6 +841,28 @@ class WorkerHost(lineages.LineageHost):
                               ).worker_host_started.remote(ray.get_runtime_context().get_node_id())
             except ValueError:
                 pass
+        threading.Thread(target=self._control_loop, daemon=True, name="ray_ckpt-control").start()
+
+    def _control_loop(self) -> None:
+        """Control thread: every ``CONTROL_RELAY_S``, one call to the job's coordinator host asking the control
+        of every lineage whose rank asked this node's worker (:meth:`PersistenceWorker.control`), instead of
+        one call per rank every 0.5 s; the answers wait in each lineage's worker for its rank's next ask."""
+        coord = None
+        while True:
+            time.sleep(CONTROL_RELAY_S)
+            workers = dict(self._lineages)
+            reqs = [(run, gen, trainers) for run, w in workers.items()
+                    for gen, trainers in w.control_requests().items()]
+            if not reqs:
+                continue
+            try:
+                coord = coord or ray.get_actor(lineages.coordinator_host_name(self.job), namespace=naming.NAMESPACE)
+                answers = ray.get(coord.control_many.remote(reqs), timeout=CONTROL_STALE_S)
+            except Exception as e:  # noqa: BLE001 - restarting or gone: the ranks ask the coordinator themselves
+                log.debug("ray_ckpt: control relay of job %r failed: %s", self.job, e)
+                coord, answers = None, [None] * len(reqs)
+            for (run, gen, trainers), answer in zip(reqs, answers):
+                workers[run].control_answer(gen, answer, trainers)
 
     def _open(self, run: str) -> PersistenceWorker:
         return PersistenceWorker(run, lineages.lineage_storage(self.root, run), self.memory_budget,
