@@ -90,7 +90,9 @@ def test_every_step_restorable_from_memory_and_durable_tiers(run_env):
 def test_a_worker_that_cannot_map_the_trainers_memory_is_handed_the_bytes(run_env, monkeypatch):
     """The shared-memory hand-off's fallback: the node worker cannot map what the descriptors name (here a wrong
     inode, as for another process's memory), refuses the chunk, and the sender resends it and every later chunk
-    with its bytes; every step restores bitwise from both tiers."""
+    with its bytes (one-step chunks with no hand-off delay: several are in flight when the first refusal comes
+    back, and the later refusals are of chunks already given their bytes); every step restores bitwise from
+    both tiers."""
     from ray_ckpt.runtime import shared
     real = shared.SharedArena.allocate
 
@@ -103,7 +105,7 @@ def test_a_worker_that_cannot_map_the_trainers_memory_is_handed_the_bytes(run_en
 
     monkeypatch.setattr(shared.SharedArena, "allocate", unmappable)
     run, uri = run_env
-    ck, *_ = _train(uri, run, 20, shared_handoff=True)
+    ck, *_ = _train(uri, run, 20, shared_handoff=True, batch_steps=1, handoff_delay=0.0)
     ck.flush()
     rt = ck.stats()["runtime"]
     ck.close()

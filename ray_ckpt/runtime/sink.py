@@ -407,10 +407,11 @@ class RaySink(BoundedSink):
         try:
             reply = call()
         except ray.exceptions.RayTaskError as e:
-            if c.plain is None or not _refused_shared(e):
+            if not _refused_shared(e):
                 raise
             self._no_shared(e)
-            c.arrays, c.plain = c.plain, None
+            if c.plain is not None:
+                c.arrays, c.plain = c.plain, None
             reply = call()
         self._answered(reply)
 
@@ -424,8 +425,10 @@ class RaySink(BoundedSink):
         try:
             reply = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
-            if c.plain is None or not _refused_shared(e):
+            if not _refused_shared(e):
                 raise
+            # (several hand-offs may be in flight: the first refusal already gave every unsafe chunk, this one
+            # among them, its bytes back; the later refusals of calls sent before it only resend)
             self._no_shared(e)
             if self._unsafe.get(c.manifest.name) is c:   # (its arrays now carry the bytes)
                 self._send_sync(c)
