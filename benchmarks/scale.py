@@ -826,28 +826,17 @@ def main(argv=None) -> int:
                         _echo(row)
                         with open(os.path.join(tmp, "rows.json"), "w") as f:   # a run cut short keeps its rows
                             json.dump(rows, f, default=str)
-            for n in [int(x) for x in a.no_refs_at.split(",") if x.strip()]:
-                if "ranks" in workloads and "before" in modes:
-                    row = measure_one(n, a.ranks, "ranks", "before", seconds=_scaled(seconds, n, 2.0),
-                                      warmup=_scaled(warmup, n, 1.0),
-                                      steps_per_s=a.steps_per_s, chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp,
-                                      with_refs=False)
-                    rows.append(row)
-                    _echo(row)
-            for n in [int(x) for x in a.no_control_at.split(",") if x.strip()]:
-                if "ranks" in workloads and "before" in modes:
-                    row = measure_one(n, a.ranks, "ranks", "before", seconds=_scaled(seconds, n, 2.0),
-                                      warmup=_scaled(warmup, n, 1.0), steps_per_s=a.steps_per_s,
-                                      chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp, rank_controls=False)
-                    rows.append(row)
-                    _echo(row)
-            for n in [int(x) for x in a.full_starts_at.split(",") if x.strip()]:
-                if "ranks" in workloads and "after" in modes:
-                    row = measure_one(n, a.ranks, "ranks", "after", seconds=_scaled(seconds, n, 2.0),
-                                      warmup=_scaled(warmup, n, 1.0), steps_per_s=a.steps_per_s,
-                                      chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp, fresh_starts=False)
-                    rows.append(row)
-                    _echo(row)
+            # the diagnostic rows: one mechanism switched off (or back on) at a time, on the every-rank workload
+            for at, mode, kw in ((a.no_refs_at, "before", {"with_refs": False}),
+                                 (a.no_control_at, "before", {"rank_controls": False}),
+                                 (a.full_starts_at, "after", {"fresh_starts": False})):
+                for n in [int(x) for x in at.split(",") if x.strip()]:
+                    if "ranks" in workloads and mode in modes:
+                        row = measure_one(n, a.ranks, "ranks", mode, seconds=_scaled(seconds, n, 2.0),
+                                          warmup=_scaled(warmup, n, 1.0), steps_per_s=a.steps_per_s,
+                                          chunk_steps=a.chunk_steps, sims=a.sims, tmp=tmp, **kw)
+                        rows.append(row)
+                        _echo(row)
         finally:
             ray.shutdown()
     meta = {"date": report.now(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
