@@ -31,6 +31,18 @@ def _fresh(kind="mlp"):
     return model, opt, T.make_scheduler(opt)
 
 
+def _assert_restores(uri, run, steps, what=""):
+    """Every step of ``steps`` restores bitwise the reference state, from the memory tier (through the run's
+    coordinator) and from storage alone."""
+    for s in steps:
+        m, o, sc = _fresh()
+        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime="ray", run=run) == s
+        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"{what}memory tier step {s}")
+        m, o, sc = _fresh()
+        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s) == s  # storage only
+        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"{what}durable tier step {s}")
+
+
 def _coord(run):
     return ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
 
@@ -72,13 +84,7 @@ def test_every_step_restorable_from_memory_and_durable_tiers(run_env):
         time.sleep(0.2)
         st = ray.get(_coord(run).status.remote())
     assert st["replicated_objects"] > 0, st
-    for s in [0, 3, 10, 17, 30]:
-        m, o, sc = _fresh()
-        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime="ray", run=run) == s
-        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"memory tier step {s}")
-        m, o, sc = _fresh()
-        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s) == s  # storage only
-        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"durable tier step {s}")
+    _assert_restores(uri, run, [0, 3, 10, 17, 30])
     # the memory tier alone: wipe storage, restore from the object stores
     import shutil
     shutil.rmtree(uri)
@@ -110,13 +116,7 @@ def test_a_worker_that_cannot_map_the_trainers_memory_is_handed_the_bytes(run_en
     rt = ck.stats()["runtime"]
     ck.close()
     assert rt["shared_chunks"] >= 1 and rt["shared_handoff"] is False, rt   # tried, refused, fell back
-    for s in [0, 7, 20]:
-        m, o, sc = _fresh()
-        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime="ray", run=run) == s
-        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"memory tier step {s}")
-        m, o, sc = _fresh()
-        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s) == s
-        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"durable tier step {s}")
+    _assert_restores(uri, run, [0, 7, 20])
 
 
 def test_killed_worker_comes_back_and_lineage_stays_consistent(run_env):
@@ -438,13 +438,7 @@ def test_amber_through_the_ray_runtime(run_env):
     ck.close()
     st = ray.get(_coord(run).status.remote())
     assert st["recoverable_step"] == 26 and st["durable_step"] == 26
-    for s in [7, 10, 13, 26]:
-        m, o, sc = _fresh()
-        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s, runtime="ray", run=run) == s
-        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"Amber lossless, memory tier, step {s}")
-        m, o, sc = _fresh()
-        assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=s) == s
-        T.assert_same(_reference(s), T.snapshot(m, o, sc), f"Amber lossless, storage, step {s}")
+    _assert_restores(uri, run, [7, 10, 13, 26], "Amber lossless, ")
     shutdown_run(run)
 
     lossy_uri, lossy_run = uri + "-lossy", run + "-lossy"
