@@ -136,7 +136,9 @@ def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
             step = _train(net, opt, data, rank=rank, start=0, config=config)
             _final(config["out"], rank, 0, False, step, data, model, opt)
     finally:
-        torch.distributed.destroy_process_group()
+        # together, after a barrier: a group destroyed while a gloo thread still finishes a collective of DDP's
+        # deadlocked once (the destructor waits for that thread with the GIL held; the thread waits for the GIL)
+        T.close_dist()
 
 
 def fit(ckpt, name: str, config: dict, *, storage_path, full_every: int, batch_steps: int, failure_config=None,
