@@ -74,8 +74,8 @@ class Attachment:
         holds: a flush). Idempotent."""
         if self.closed:
             return
-        try:
-            if self.capture is not None:
+        try:   # a failed sink takes nothing more: its error was raised already, or the sink's close raises it
+            if self.capture is not None and not getattr(self.sink, "failed", False):
                 self.capture.flush_pending()
         finally:
             self.release(timeout)

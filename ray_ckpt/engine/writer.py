@@ -89,6 +89,7 @@ class BoundedSink:
         self._pending_bytes = 0
         self._pressure = False
         self._error: BaseException | None = None
+        self._error_reported = False              # the error was raised in the training thread once
         self._closing = False
         self._notice: dict | None = None          # a drain notice for this node (see notice)
         self._notice_deadline: float | None = None
@@ -179,8 +180,21 @@ class BoundedSink:
         with self._cv:
             self._raise_if_failed()
 
+    @property
+    def failed(self) -> bool:
+        """Whether the background thread failed (what :meth:`submit` and :meth:`flush` then raise)."""
+        return self._error is not None
+
     def close(self, timeout: float | None = None) -> None:
+        """Handle what was submitted (a flush), then stop the background thread. A failure is raised here only
+        when no earlier call raised it: after the training thread saw the error, close just stops (training
+        thread; blocks)."""
         try:
+            with self._cv:
+                if self._error is not None:
+                    if not self._error_reported:
+                        self._raise_if_failed()
+                    return
             if self._thread.is_alive():
                 self.flush(timeout)
         finally:
@@ -195,6 +209,7 @@ class BoundedSink:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
+            self._error_reported = True
             raise WriterError(f"checkpoint writer failed: {self._error}") from self._error
 
     # -- background thread -------------------------------------------------------------------------------------

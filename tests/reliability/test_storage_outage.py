@@ -6,6 +6,7 @@ of the moto server (tests/_outage.py): connections refused and cut, the server's
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 
@@ -13,6 +14,7 @@ import pytest
 import ray
 
 import ray_ckpt
+from ray_ckpt.engine.writer import BoundedSink, WriterError
 from ray_ckpt.storage.retry import PermanentStorageError, RetryBudgetExceeded, RetryPolicy, is_permanent
 from tests import _training as T
 from tests.reliability import record
@@ -100,6 +102,49 @@ def test_errors_waiting_cannot_fix_are_not_retried(tmp_path):
     m = T.make_model("mlp", seed=1)
     o = T.make_optimizer("adamw", m)
     assert ray_ckpt.restore(str(tmp_path / "ckpt"), m, o) == 0   # the last committed step stays restorable
+
+
+class _FailingSink(BoundedSink):
+    """A sink whose background thread fails on the first item and then lingers (as a thread on a loaded machine
+    may, between recording its error and ending) until ``gone`` is set."""
+
+    def __init__(self):
+        super().__init__(max_pending_bytes=1 << 20, thread_name="failing-sink")
+        self.gone = threading.Event()
+        self._thread.start()
+
+    def _run(self):
+        with self._cv:
+            while not self._queue:
+                self._cv.wait(0.05)
+            entry = self._queue[0]
+        self._fail(OSError("endpoint down"), entry[0])
+        self.gone.wait(10)
+
+
+class _Item:
+    nbytes = 8
+
+
+def test_close_raises_a_writer_failure_once():
+    """The training thread saw the error: close stops without raising it again, also while the failed thread
+    has not ended yet. Nobody saw it: close raises it."""
+    for seen in (True, False):
+        sink = _FailingSink()
+        sink.submit(_Item())
+        deadline = time.monotonic() + 10
+        while not sink.failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sink.failed
+        if seen:
+            with pytest.raises(WriterError, match="endpoint down"):
+                sink.submit(_Item())
+            sink.close(timeout=5)              # the thread is still alive here: no flush, no second raise
+        else:
+            with pytest.raises(WriterError, match="endpoint down"):
+                sink.close(timeout=5)
+        sink.gone.set()
+        sink._thread.join(5)
 
 
 @pytest.fixture
