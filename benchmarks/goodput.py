@@ -27,8 +27,11 @@ Every rank logs timestamps from the train loop (loop entered, state restored, ev
 logs Ray Train's state changes; the driver logs each fault. From them, per arm: ETTR (failure-free time / wall
 time from the first loop entry to the last step), steps lost per failure, time to recover per failure (fault ->
 first step after it) split into detection (fault -> the controller leaves RUNNING), Ray Train restart (-> the new
-loop is entered), restore (-> model built and state restored) and first step; checkpoint overhead (median step
-interval against ``ref``'s), durable bytes per step (every file seen under the run's storage, sampled each
+loop is entered), restore (-> model built and state restored) and first step; checkpoint overhead (mean step
+interval against ``ref``'s, stalls included: what throughput pays); the time the arm's checkpointing cost the run
+(its wall time minus ``ref``'s minus Ray Train's own detection and restart of every failure: overhead, restores,
+first steps and redone steps, the part a checkpointing system decides, free of the restarts' noise); the paired
+ETTR difference per seed (ray_ckpt minus native, same schedule); durable bytes per step (every file seen under the run's storage, sampled each
 ``--poll-s``), and whether the final model + optimizer state is bitwise ``ref``'s (``torch.equal``).
 
     python -m benchmarks.goodput [--seeds 0 1 2] [--steps 500] [--quick] [--out benchmarks/results]
@@ -484,7 +487,7 @@ def fit_arm(cluster: Cluster, tmp: str, arm: str, seed: int, schedule: list, a, 
            "durable_bytes": sum(inj.files.values()), "durable_files": len(inj.files),
            "attempts": len(enters)}
     res["recovery"] = [breakdown(f, steps, events, states) for f in inj.faults]
-    res["step_intervals_s"] = _intervals(steps)
+    res["step_intervals_s"] = step_intervals(res)
     if arm == "native":
         res["saves"] = [{"s": r["s"], "c": r["c"], "b": r["b"], "jit": r.get("jit", False)} for r in rank0 if "c" in r]
         res["preemption_info_s"] = [r["pi"] for r in rank0 if "pi" in r]
@@ -496,15 +499,24 @@ def fit_arm(cluster: Cluster, tmp: str, arm: str, seed: int, schedule: list, a, 
     return res
 
 
-def _intervals(steps: list) -> list:
-    """Seconds between consecutive steps of one attempt (a step count that does not grow by one starts anew),
-    the first 3 of each attempt left out (warm-up)."""
+def _intervals(steps: list, cuts: list = ()) -> list:
+    """Seconds between consecutive steps of one attempt, the first 3 of each attempt left out (warm-up). An
+    attempt ends where the step count does not grow by one or where an interval spans one of ``cuts`` (the
+    controller's state changes: a restart that lost no step continues the count, but its interval is a
+    recovery, not a step)."""
     out, run = [], 0
+    cuts = sorted(cuts)
     for (t0, s0), (t1, s1) in zip(steps, steps[1:]):
-        run = run + 1 if s1 == s0 + 1 else 0
-        if s1 == s0 + 1 and run > 3:
+        spans = any(t0 < c <= t1 for c in cuts)
+        run = run + 1 if s1 == s0 + 1 and not spans else 0
+        if run > 3:
             out.append(round(t1 - t0, 4))
     return out
+
+
+def step_intervals(run: dict) -> list:
+    """:func:`_intervals` of a run's rank-0 steps, cut at the controller's state changes after the first."""
+    return _intervals(run["steps"], [t for t, _ in run.get("states", [])[1:]])
 
 
 def bitwise(a_path: str | None, b_path: str | None) -> bool | None:
@@ -531,7 +543,8 @@ def bitwise(a_path: str | None, b_path: str | None) -> bool | None:
 def summarize(runs: list[dict]) -> dict:
     """Per arm, over the seeds: ETTR, steps lost, recovery phases per fault kind, overhead, bytes, bitwise."""
     ref = {r["seed"]: r for r in runs if r["arm"] == "ref"}
-    ref_step = {s: statistics.median(r["step_intervals_s"]) for s, r in ref.items() if r["step_intervals_s"]}
+    iv = {id(r): step_intervals(r) for r in runs}
+    ref_step = {s: statistics.fmean(iv[id(r)]) for s, r in ref.items() if iv[id(r)]}
     out = {}
     for arm in ARMS:
         rs = [r for r in runs if r["arm"] == arm]
@@ -549,8 +562,9 @@ def summarize(runs: list[dict]) -> dict:
                 "bitwise": [r.get("bitwise") for r in rs],
                 "durable_bytes_per_step": spread([r["durable_bytes"] / r["steps_done"] for r in rs
                                                   if r.get("steps_done")]),
-                "overhead": spread([statistics.median(r["step_intervals_s"]) / ref_step[r["seed"]] - 1
-                                    for r in rs if r["step_intervals_s"] and r["seed"] in ref_step]),
+                "overhead": spread([statistics.fmean(iv[id(r)]) / ref_step[r["seed"]] - 1
+                                    for r in rs if iv[id(r)] and r["seed"] in ref_step]),
+                "checkpointing_s": spread([checkpointing_cost(r, ref.get(r["seed"])) for r in rs]),
                 "errors": [e for r in rs for e in ([r["error"]] if r["error"] else []) + r["injector_errors"]]}
         by_kind = {}
         for k in KINDS:
@@ -571,7 +585,33 @@ def summarize(runs: list[dict]) -> dict:
             cell["save_s"] = spread([x["c"] for r in rs for x in r.get("saves", []) if not x["jit"]])
             cell["preemption_info_s"] = spread([x for r in rs for x in r.get("preemption_info_s", [])])
         out[arm] = cell
+    if "ray_ckpt" in out and "native" in out:   # paired by seed: the same schedule, the same load period
+        e = {a: {r["seed"]: ettr(ref[r["seed"]]["wall_s"], r["wall_s"]) for r in runs
+                 if r["arm"] == a and r["wall_s"] and r["seed"] in ref and ref[r["seed"]]["wall_s"]}
+             for a in ("ray_ckpt", "native")}
+        c = {a: {r["seed"]: checkpointing_cost(r, ref.get(r["seed"])) for r in runs if r["arm"] == a}
+             for a in ("ray_ckpt", "native")}
+        seeds = sorted(set(e["ray_ckpt"]) & set(e["native"]))
+        out["paired"] = {"seeds": seeds,
+                         "ettr_diff": [e["ray_ckpt"][k] - e["native"][k] for k in seeds],
+                         "checkpointing_s_diff": [None if c["ray_ckpt"].get(k) is None or c["native"].get(k) is None
+                                                  else c["ray_ckpt"][k] - c["native"][k] for k in seeds]}
     return out
+
+
+def checkpointing_cost(run: dict, ref: dict | None) -> float | None:
+    """Seconds the arm's checkpointing cost ``run``: its wall time minus the failure-free ``ref``'s, minus Ray
+    Train's own share of each failure (detection and restart, which no checkpointing changes). What is left is
+    the per-step overhead, the restores, the first steps and the steps done again. None when a figure is
+    missing."""
+    if not run.get("wall_s") or not ref or not ref.get("wall_s"):
+        return None
+    rt = 0.0
+    for x in run["recovery"]:
+        if x.get("detection_s") is None or x.get("restart_s") is None:
+            return None
+        rt += x["detection_s"] + x["restart_s"]
+    return run["wall_s"] - ref["wall_s"] - rt
 
 
 def _pm(c: dict, spec=".3f") -> str:
@@ -593,17 +633,25 @@ def markdown(result: dict) -> str:
              f"seeds {m['seeds']}; {m['faults']} faults per run ({', '.join(KINDS)}), gaps of mean {m['mean_gap_s']} s "
              f"running time; a lost node is replaced after {m['rejoin_s']} s; preemption deadline {m['deadline_s']} s. "
              "Mean [min, max] over the seeds (per-failure figures: over every failure of every seed).", "",
-             "| arm | ETTR | steps lost / failure | recovery s / failure | overhead / step | durable bytes / step "
-             "| final state bitwise = ref |", "|---|---:|---:|---:|---:|---:|---|"]
-    for arm, c in s.items():
+             "| arm | ETTR | steps lost / failure | recovery s / failure | checkpointing s / run | overhead / step "
+             "| durable bytes / step | final state bitwise = ref |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for arm, c in ((a, c) for a, c in s.items() if a != "paired"):
         bw = [b for b in c["bitwise"] if b is not None]
         ov, by = c["overhead"]["mean"], c["durable_bytes_per_step"]["mean"]
         if arm == "ref":   # the reference: no failure, no checkpoint (its bytes are the native arm's calibration)
-            lines.append(f"| ref | 1 (by definition; wall {_pm(c['wall_s'], '.1f')} s) | – | – | – | – | – |")
+            lines.append(f"| ref | 1 (by definition; wall {_pm(c['wall_s'], '.1f')} s) | – | – | – | – | – | – |")
             continue
         lines.append(f"| {arm} | {_pm(c['ettr'])} | {_pm(c['steps_lost'], '.1f')} | {_pm(c['recovery_s'], '.1f')} | "
-                     f"{report.pct(None if ov is None else 100 * ov)} | {report.nbytes(by) if by else '–'} | "
+                     f"{_pm(c.get('checkpointing_s', {}), '.1f')} | {report.pct(None if ov is None else 100 * ov)} | {report.nbytes(by) if by else '–'} | "
                      f"{sum(1 for b in bw if b)}/{len(bw)} |")
+    pair = s.get("paired")
+    if pair and pair["seeds"]:
+        d, cd = pair["ettr_diff"], [x for x in pair["checkpointing_s_diff"] if x is not None]
+        lines += ["", f"Paired by seed {pair['seeds']} (ray_ckpt minus native): ETTR "
+                  + ", ".join(f"{x:+.3f}" for x in d) + f" (ahead in {sum(x > 0 for x in d)} of {len(d)})"
+                  + ("; checkpointing s / run " + ", ".join(f"{x:+.1f}" for x in cd) if cd else "")
+                  + ". *Checkpointing s / run*: wall time minus ref's minus Ray Train's detection and restart of "
+                  "every failure (overhead, restores, first steps, redone steps)."]
     nat = s.get("native")
     if nat:
         lines += ["", f"Native arm: a checkpoint every N = {nat['every']} steps (Young/Daly, per seed) from save "
@@ -616,7 +664,7 @@ def markdown(result: dict) -> str:
         lines += ["", f"ray_ckpt's share of each restart (`attach` after a restore, s): total {_pm(att['total'], '.2f')}, "
                   f"of which restore {_pm(att['restore'], '.2f')} and the attach full "
                   f"{_pm(att['checkpointer.first_full'], '.2f')} (`TrainSession.startup`)."]
-    parts = [(arm, c["restore_parts_s"]) for arm, c in s.items() if c.get("restore_parts_s")]
+    parts = [(arm, c["restore_parts_s"]) for arm, c in s.items() if arm != "paired" and c.get("restore_parts_s")]
     if parts:
         lines += ["", "The restore column part by part (s, rank 0, loop entered -> restored; mean [min, max] over the "
                   "failures):", ""]
@@ -627,12 +675,12 @@ def markdown(result: dict) -> str:
     lines += ["", "## Time to recover, per failure kind (s; fault -> first step after it)", "",
               "| arm | kind | n | steps lost | detection | Ray Train restart | restore | first step | total |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for arm, c in s.items():
+    for arm, c in ((a, c) for a, c in s.items() if a != "paired"):
         for k, ph in c["by_kind"].items():
             lines.append(f"| {arm} | {k} | {ph['recovery_s']['n']} | {_pm(ph['steps_lost'], '.1f')} | "
                          + " | ".join(_pm(ph[x], ".2f") for x in ("detection_s", "restart_s", "restore_s",
                                                                    "first_step_s", "recovery_s")) + " |")
-    errs = [e for c in s.values() for e in c["errors"]]
+    errs = [e for a, c in s.items() if a != "paired" for e in c["errors"]]
     if errs:
         lines += ["", "Errors:"] + [f"- {e}" for e in errs]
     return "\n".join(lines) + "\n"
@@ -670,7 +718,9 @@ DEFINITIONS = {
     "restart_s": "-> rank 0's train loop entered again",
     "restore_s": "-> model built and state restored (attach / get_checkpoint + torch.load)",
     "first_step_s": "-> the first step after the restore completed",
-    "overhead": "median step interval (warm, within an attempt) / ref's - 1",
+    "overhead": "mean step interval (warm, within an attempt; stalls included) / ref's - 1",
+    "checkpointing_s": "wall time - ref's wall time - Ray Train's detection and restart of every failure",
+    "paired": "per seed, ray_ckpt's figure minus native's (same schedule)",
     "durable_bytes": "sum of the sizes of every file seen under the run's storage (sampled every --poll-s)"}
 
 
@@ -752,7 +802,7 @@ def main(argv=None) -> int:
             seed_runs = [ref]
             loads.append(_load())
             c = statistics.median(ref["calibration"]["save_s"])
-            step_s = statistics.median(ref["step_intervals_s"])
+            step_s = statistics.fmean(ref["step_intervals_s"])
             every = young_daly_steps(c, mtbf(sched), step_s)
             cal["save_s"].append(c)
             cal["mtbf_s"].append(mtbf(sched))

@@ -52,3 +52,16 @@ def test_the_breakdown_splits_fault_to_first_step_into_its_phases():
     # the run ended before it recovered: phases unknown, not zero
     late = goodput.breakdown({"kind": "node", "rank": 0, "t": 200.0}, steps, events, states)
     assert late["recovery_s"] is None and late["steps_lost"] is None and late["last_step"] == 20
+
+
+def test_step_intervals_leave_out_recoveries_and_warm_up():
+    """A restart that lost no step continues the step count: its interval is cut at the controller's state change,
+    not counted as a step; the first 3 intervals of each attempt are warm-up."""
+    steps = [(float(t), t) for t in range(10)] + [(40.0 + i, 10 + i) for i in range(8)]   # 9 -> 10 spans 30 s
+    states = [(-1.0, "SchedulingState"), (0.0, "RunningState"), (20.0, "RestartingState"), (39.5, "RunningState")]
+    iv = goodput.step_intervals({"steps": steps, "states": states})
+    assert max(iv) == 1.0 and len(iv) == (9 - 3) + (7 - 3)
+    assert 31.0 in goodput._intervals(steps)   # without the cuts the recovery would count as a step
+    run = {"wall_s": 100.0, "recovery": [{"detection_s": 1.0, "restart_s": 20.0}]}
+    assert goodput.checkpointing_cost(run, {"wall_s": 60.0}) == 19.0
+    assert goodput.checkpointing_cost({"wall_s": None, "recovery": []}, {"wall_s": 60.0}) is None
