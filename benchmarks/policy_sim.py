@@ -61,7 +61,7 @@ def measure_storage(storage, reps: int = 4) -> dict:
             fit.add(len(data), time.perf_counter() - t0)
     t0 = time.perf_counter()
     for _ in range(2):
-        storage.read(f"probe/0-1")
+        storage.read("probe/0-1")
     read_bw = 2 * len(big) / (time.perf_counter() - t0)
     for i in range(reps):
         for j in range(2):
@@ -154,7 +154,7 @@ def run(days: float, seed: int, quick: bool) -> dict:
             yd = young_daly_full_every(ct)
             policies = {"adaptive": adaptive_chooser(c, trace, mtbf_hint=86400.0),
                         "fixed 10": fixed_chooser(10, 10), "fixed 100": fixed_chooser(100, 10),
-                        "fixed 1000": fixed_chooser(1000, 10), f"Young/Daly": fixed_chooser(yd, 10)}
+                        "fixed 1000": fixed_chooser(1000, 10), "Young/Daly": fixed_chooser(yd, 10)}
             for pol, chooser in policies.items():
                 r = simulate(trace, horizon, c, chooser)
                 rows.append({"profile": pname, "trace": tname, "policy": pol, "failures": r.failures,

@@ -53,7 +53,7 @@ import uuid
 
 from benchmarks import harness, report
 
-from ray_ckpt.lineage import Lineage, Manifest, diff_name, full_name, object_key
+from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.runtime import worker as _worker
 from ray_ckpt.runtime.coordinator import REPORT_CALLS_PER_S, Coordinator
 from ray_ckpt.runtime.worker import CONTROL_RELAY_S
