@@ -208,9 +208,14 @@ def train_loop(cfg: dict) -> None:
         return time.perf_counter() - t, n
 
     jit_done = False
+    budget = getattr(getattr(session, "checkpointer", None), "budget", None)   # ray_ckpt's rank 0: the policy
+    gran = None
     for step in range(start, steps):
         job.train_step(net, opt, sched, step, rank, "cpu")
         rec = {"s": step + 1}
+        if budget is not None and (budget.mode, budget.k) != gran:   # the recovery granularity, when it changes
+            gran = (budget.mode, budget.k)
+            rec["gran"] = {"mode": budget.mode, "k": budget.k, "reason": budget.reason}
         if arm == "native":
             t = time.perf_counter()
             info = ray.train.get_preemption_info()        # a barrier across the group, as Ray's docs use it
@@ -488,6 +493,7 @@ def fit_arm(cluster: Cluster, tmp: str, arm: str, seed: int, schedule: list, a, 
            "attempts": len(enters)}
     res["recovery"] = [breakdown(f, steps, events, states) for f in inj.faults]
     res["step_intervals_s"] = step_intervals(res)
+    res["granularity"] = [{"s": r["s"], **r["gran"]} for r in rank0 if "gran" in r]
     if arm == "native":
         res["saves"] = [{"s": r["s"], "c": r["c"], "b": r["b"], "jit": r.get("jit", False)} for r in rank0 if "c" in r]
         res["preemption_info_s"] = [r["pi"] for r in rank0 if "pi" in r]
@@ -576,6 +582,9 @@ def summarize(runs: list[dict]) -> dict:
         marks = [x["restore_marks"] for x in rec if x.get("restore_marks")]
         cell["restore_parts_s"] = {k: spread([m.get(k) for m in marks]) for k in dict.fromkeys(
             k for m in marks for k in m)}
+        if arm == "ray_ckpt":   # the recovery granularity the overhead budget chose (rank 0, every change)
+            cell["max_k"] = [max([g["k"] for g in r.get("granularity", [])] or [None], key=lambda k: k or 0)
+                             for r in rs]
         if arm == "ray_ckpt":   # ray_ckpt's own share of "restore": attach's phases after each restart
             phases = [x["attach_phases"] for x in rec if x.get("attach_phases")]
             cell["attach_after_restart_s"] = {k: spread([p.get(k) for p in phases]) for k in dict.fromkeys(
@@ -659,6 +668,11 @@ def markdown(result: dict) -> str:
                   f"training loop's blocking time of torch.save + report) and the schedule's MTBF "
                   f"{[round(x, 2) for x in result['calibration']['mtbf_s']]} s; in the run a save took "
                   f"{_pm(nat['save_s'])} s, a `get_preemption_info()` {_pm(nat['preemption_info_s'], '.4f')} s."]
+    ks = s.get("ray_ckpt", {}).get("max_k")
+    if ks and any(k is not None for k in ks):
+        lines += ["", f"ray_ckpt's recovery granularity (the overhead budget's choice, rank 0): the longest interval "
+                  f"between recovery points per seed {ks} steps (1: every step; a run records each change under "
+                  "`granularity`)."]
     att = s.get("ray_ckpt", {}).get("attach_after_restart_s")
     if att:
         lines += ["", f"ray_ckpt's share of each restart (`attach` after a restore, s): total {_pm(att['total'], '.2f')}, "
