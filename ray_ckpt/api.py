@@ -330,10 +330,20 @@ def _watch_drains(runtime: Runtime, sink):
 
 
 def _meter(sink, on_window) -> StepMeter:
-    """The training thread's per-step measurements for the overhead budget (CPU clocks read once a window)."""
+    """The training thread's per-step measurements for the overhead budget (CPU clocks read once a window). The
+    other CPU is the sink's background thread's own clock: the process's other threads (gloo's or NCCL's, data
+    loaders', Ray's) work for training as much without checkpointing. Without a per-thread clock: the process's CPU
+    outside the training thread (conservative)."""
     st = sink.stats
-    return StepMeter(clock=time.perf_counter, cpu=lambda: (time.process_time(), time.thread_time(), _run_queue_wait()),
-                     counters=lambda: (st.stall_seconds, st.bytes_written), on_window=on_window)
+    if getattr(sink, "measures_cpu", False):
+        def cpu():
+            return sink.background_cpu(), time.thread_time(), _run_queue_wait()
+    else:
+        def cpu():
+            t = time.thread_time()
+            return time.process_time() - t, t, _run_queue_wait()
+    return StepMeter(clock=time.perf_counter, cpu=cpu, counters=lambda: (st.stall_seconds, st.bytes_written),
+                     on_window=on_window)
 
 
 def _run_queue_wait() -> float:

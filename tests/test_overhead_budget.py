@@ -113,7 +113,7 @@ def test_step_meter_windows_and_durable_choice():
                   on_window=got.append)
     for _ in range(3):
         assert m.tick(0.01, 0.001, 0.002, 0.0005) is None
-    t["cpu"] = (0.05, 0.04)                 # the process spent 10 ms outside the training thread
+    t["cpu"] = (0.01, 0.04)                 # the background thread spent 10 ms (the training thread 40 ms)
     w = m.tick(0.06, 0.001, 0.002, 0.0005)
     assert got == [w] and w.steps == 4 and w.other_cpu_s == pytest.approx(0.0025)
     assert w.cost_s == pytest.approx(0.0005 + 0.0025) and w.optimizer_s == pytest.approx(0.002)
@@ -229,6 +229,42 @@ def test_cheap_loop_keeps_every_step(tmp_path):
 
 
 @pytest.mark.ray
+def test_threads_that_work_for_training_are_not_charged_to_checkpointing(tmp_path):
+    """A thread of the training process that computes beside the training thread (as gloo's or NCCL's
+    communication threads, a data loader's or Ray's do, with or without checkpointing) is not checkpointing's cost:
+    the budget counts the writer thread's own CPU, so a cheap checkpoint keeps every step although the process
+    spends about a core more than the training thread."""
+    import threading
+    stop = threading.Event()
+    spun = [0]
+
+    def communication():   # torch releases the interpreter lock inside mm: CPU of its own thread
+        a = torch.randn(192, 192)
+        while not stop.is_set():
+            a = torch.tanh(a @ a)
+            spun[0] += 1
+
+    busy = threading.Thread(target=communication, daemon=True, name="not-checkpointing")
+    width, uri = 8, str(tmp_path / "ck")
+    m, opt = _model(width)
+    busy.start()
+    try:
+        with ray_ckpt.Checkpointer(uri, m, opt, overhead_budget=0.05) as ck:
+            assert ck._sink.measures_cpu          # Linux: the writer thread's own clock
+            step, deadline = 0, time.monotonic() + 3.0
+            while time.monotonic() < deadline or ck._capture.meter.windows < 2:
+                step += 1
+                _step(m, opt, step, width, sleep=0.02)
+            w = ck._capture.meter.last
+            st = ck.stats()
+    finally:
+        stop.set()
+        busy.join(5)
+    assert spun[0] > 100                           # the other thread did run
+    assert st["granularity"]["mode"] == "every_step", st["granularity"]
+    assert w.other_cpu_s < 0.25 * w.base_s, w      # not the other thread's core-second per second
+
+
 def test_estimates_are_measured_under_the_ray_runtime(tmp_path, ray_cluster):  # noqa: F811
     """runtime="ray": the coordinator's cost model gets the training thread's windows (no placeholders)."""
     from ray_ckpt.runtime.coordinator import shutdown_run

@@ -4,17 +4,19 @@ granularity that keeps that cost within a share of the step time.
 Pure (no torch, no Ray); the clocks are passed in. Where things run:
 
 * :class:`StepMeter` on the training thread: :meth:`StepMeter.tick` once per optimizer step (a few float
-  additions); every ``window_s`` seconds it reads the process's and the training thread's CPU clocks once and
-  closes a *window* (:class:`Window`): mean step wall time, the capture hooks' time, the optimizer step's own
-  time (what a LowDiff replay of one step costs), stalls, and the CPU the rest of the process spent per step
-  (``process_time - thread_time``: the writer / sender thread, Ray's threads in this process).
+  additions); every ``window_s`` seconds it reads the CPU clocks once and closes a *window* (:class:`Window`):
+  mean step wall time, the capture hooks' time, the optimizer step's own time (what a LowDiff replay of one step
+  costs), stalls, and the CPU checkpointing's background thread spent per step (the writer or sender: encoding,
+  writes, hand-offs, actor calls). Its own clock, not the rest of the process: the process's other threads
+  (gloo's or NCCL's communication threads, data loaders, Ray's own) work for training as much without
+  checkpointing.
 * :class:`BudgetPolicy`, a :class:`~ray_ckpt.policy.frequency.FrequencyPolicy` wrapping the cost-model policy:
   ``decide`` on the training thread (O(1)), :meth:`BudgetPolicy.observe` at each window close (O(1)).
 
 The cost of a window is ``capture + other CPU`` per step (stalls are inside the capture: the hooks wait in
 ``submit``); the step without checkpointing is ``step - capture``. The fraction is ``cost / (step - capture)``.
-Counting all of the process's other CPU is conservative: on a machine with spare cores part of it runs
-beside the training thread for free; on a loaded one (or under the interpreter lock) it does not.
+Counting all of the background thread's CPU is conservative: on a machine with spare cores it runs beside the
+training thread for free; on a loaded one (or under the interpreter lock) it does not.
 
 Granularity (:attr:`BudgetPolicy.mode`):
 
@@ -56,7 +58,7 @@ class Window:
     capture_s: float       #: the capture hooks on the training thread, wall time (stalls and full snapshots included)
     optimizer_s: float     #: the optimizer step itself (what replaying one step costs)
     stall_s: float         #: of capture_s, waiting for room in the sink (backpressure)
-    other_cpu_s: float     #: CPU of the rest of the process (process_time - the training thread's thread_time)
+    other_cpu_s: float     #: CPU of checkpointing's background thread (writer or sender) per step
     fulls: int             #: full snapshots taken on the training thread in the window
     snapshot_s: float      #: their total time (inside capture_s)
     bytes: float           #: bytes handed to the sink per step
@@ -87,8 +89,9 @@ class Window:
 class StepMeter:
     """Measures the training process's per-step figures (training thread; see the module docstring).
 
-    ``clock``: wall seconds (perf_counter); ``cpu``: ``() -> (process_cpu, this_thread_cpu[, this_thread_waited])``
-    (the last: seconds this thread waited for a core, where the system tells; it is not counted as step time); ``counters``:
+    ``clock``: wall seconds (perf_counter); ``cpu``: ``() -> (background_cpu, this_thread_cpu[, this_thread_waited])``,
+    cumulative seconds: checkpointing's background CPU (its writer or sender thread), the training thread's CPU and
+    the seconds this thread waited for a core, where the system tells (not counted as step time); ``counters``:
     ``() -> (stall_seconds, bytes_handed_over)`` of the sink (cumulative). ``on_window`` gets each
     :class:`Window` (training thread)."""
 
@@ -135,8 +138,7 @@ class StepMeter:
         if self._n < self.min_steps or self._wall - self._paused < self.window_s:
             return None
         c1 = self.cpu()
-        p1, t1 = c1[0], c1[1]
-        p0, t0 = self._cpu0[0], self._cpu0[1]
+        b1, b0 = c1[0], self._cpu0[0]
         # the training thread's time waiting for a core (preempted: an oversubscribed machine), when the clock
         # gives it: not step time either, or the budget would be measured against a step the machine slowed
         waited = max(0.0, c1[2] - self._cpu0[2]) if len(c1) > 2 and len(self._cpu0) > 2 else 0.0
@@ -148,7 +150,7 @@ class StepMeter:
         n = self._n
         w = Window(steps=n, step_s=(self._wall - self._paused - waited) / n, capture_s=self._hook / n, optimizer_s=self._opt / n,
                    stall_s=max(0.0, stall1 - stall0) / n,
-                   other_cpu_s=max(0.0, (p1 - p0) - (t1 - t0)) / n, fulls=self._fulls, snapshot_s=self._snap,
+                   other_cpu_s=max(0.0, b1 - b0) / n, fulls=self._fulls, snapshot_s=self._snap,
                    bytes=max(0.0, bytes1 - bytes0) / n, recorded=self.recording, capture_cpu_s=self._hook_cpu / n,
                    wall_s=self._wall / n)
         self.last = w
@@ -194,6 +196,7 @@ class BudgetPolicy:
         self.fixed_cost: float | None = None
         self._unmet = False   #: the latest choice found no interval (up to max_k) that meets the budget
         self._allowed = 0.0   #: the cost per step the budget allowed at the latest choice (seconds)
+        self._cf_used = 0.0   #: the cost of a full the latest choice assumed (seconds)
 
     # the cost model's values, for stats() and the capture
     @property
@@ -281,8 +284,10 @@ class BudgetPolicy:
             return
         k = self._k_for(allowed)
         if not (self.k / K_HYSTERESIS <= k <= self.k * K_HYSTERESIS or abs(k - self.k) <= 1):
-            self._set(k, f"a full costs {_ms(self.full_cost or 0.0)} of training-process time, an unrecorded "
-                         f"step {_ms(self.fixed_cost or 0.0)}")
+            full = (_ms(self.full_cost) if self.full_cost is not None
+                    else f"{_ms(self._cf_used)} (estimated: no full measured yet)")
+            self._set(k, f"a full costs {full} of training-process time, an unrecorded step "
+                         f"{_ms(self.fixed_cost or 0.0)}")
 
     def _k_for(self, allowed: float) -> int:
         cf = self.full_cost
@@ -291,6 +296,7 @@ class BudgetPolicy:
             if self._bytes_hint and self._bytes_per_step and self.step_cost is not None:
                 cf += self.step_cost * self._bytes_hint / self._bytes_per_step
             cf = max(cf, self.step_cost or 0.0)
+        self._cf_used = cf
         room = allowed - (self.fixed_cost or 0.0)   # what the fulls may cost per step
         self._allowed = allowed
         if room <= 0:      # no interval meets the budget: the cost model's fulls (see _k_cap)
