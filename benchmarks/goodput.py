@@ -216,6 +216,10 @@ def train_loop(cfg: dict) -> None:
         if budget is not None and (budget.mode, budget.k) != gran:   # the recovery granularity, when it changes
             gran = (budget.mode, budget.k)
             rec["gran"] = {"mode": budget.mode, "k": budget.k, "reason": budget.reason}
+            meter = getattr(session.checkpointer._capture, "meter", None)   # the window it decided on
+            if meter is not None and meter.last is not None:
+                rec["gran"]["window"] = {k: round(v, 6) if isinstance(v, float) else v
+                                         for k, v in meter.last.to_dict().items()}
         if arm == "native":
             t = time.perf_counter()
             info = ray.train.get_preemption_info()        # a barrier across the group, as Ray's docs use it
