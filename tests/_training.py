@@ -1,6 +1,7 @@
 """Small deterministic training jobs shared by the tests (no pytest imports: also used in subprocesses)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -198,13 +199,42 @@ def init_dist(rank: int, world: int, port: int) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def close_dist() -> None:
-    """Leave the gloo group together: a rank that exits while its peer still talks to it can abort in gloo's
-    threads ("terminate called without an active exception")."""
+def close_dist(*, together: bool = True) -> None:
+    """Leave the gloo group (every rank process of the tests leaves through here, in the rank process).
+
+    ``together`` (the default): after a barrier, so that no rank destroys its group while a peer or one of gloo's
+    threads still works on a collective: a rank that exits while its peer still talks to it can abort in gloo's
+    threads ("terminate called without an active exception"), and a group destroyed while a gloo thread still
+    finished an allgather of DDP's deadlocked once (the destructor waited for that thread with the GIL held; the
+    thread waited for the GIL). ``together=False``: at once, for a rank whose peers are gone or may be blocked
+    elsewhere (a barrier would wait for them until gloo's timeout)."""
     try:
-        torch.distributed.barrier()
+        if together:
+            torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def leaving_group():
+    """``with leaving_group():`` the body in the process group this process has joined, which it then leaves
+    through :func:`close_dist`: together when the body returned; at once when it raised (its peers may be
+    blocked in another collective, or gone), the error re-raised."""
+    try:
+        yield
+    except BaseException:
+        close_dist(together=False)
+        raise
+    close_dist()
+
+
+@contextlib.contextmanager
+def dist_group(rank: int, world: int, port: int):
+    """``with dist_group(rank, world, port):`` the body in a gloo group of ``world`` ranks (:func:`init_dist`),
+    left as :func:`leaving_group` leaves it."""
+    init_dist(rank, world, port)
+    with leaving_group():
+        yield
 
 
 # Rank processes for the tests come from a forkserver that imported these once per session, instead of a fresh
