@@ -252,12 +252,31 @@ def _as_caller(rank: int, env: dict, cwd: str, fn, *args) -> None:
     fn(rank, *args)
 
 
-def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
+#: the longest a group of test ranks may take (the longest takes ~20 s here): past it the ranks are killed and
+#: the test fails, instead of the suite hanging on a rank stuck in a collective or in a group's teardown
+SPAWN_TIMEOUT_S = 300.0
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 1, *, timeout_s: float = SPAWN_TIMEOUT_S) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``'s contract (``fn(rank, *args)`` in ``nprocs``
-    processes; raises if one fails), the processes forked from a forkserver that preloaded torch and ray_ckpt."""
+    processes; raises if one fails), the processes forked from a forkserver that preloaded torch and ray_ckpt.
+    Raises ``TimeoutError`` (the ranks killed) when they have not all ended after ``timeout_s``. In the test
+    process."""
     import multiprocessing
+    import time
 
     import torch.multiprocessing as mp
     multiprocessing.set_forkserver_preload(_PRELOAD)    # read when the forkserver starts (the first call)
-    mp.start_processes(_as_caller, args=(dict(os.environ), os.getcwd(), fn, *args), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+    ctx = mp.start_processes(_as_caller, args=(dict(os.environ), os.getcwd(), fn, *args), nprocs=nprocs,
+                             join=False, start_method="forkserver")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):      # raises (the other ranks terminated) when a rank failed
+        if time.monotonic() > deadline:
+            alive = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(10)
+            raise TimeoutError(f"{getattr(fn, '__qualname__', fn)}: ranks {alive} of {nprocs} still running after "
+                               f"{timeout_s:.0f} s (killed)")
