@@ -245,7 +245,11 @@ _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.distribute
 
 def _as_caller(rank: int, env: dict, cwd: str, fn, *args) -> None:
     """A rank process: the caller's environment and working directory as of the ``spawn`` call (a forkserver's
-    child inherits the server's, set when it started), then ``fn(rank, *args)``."""
+    child inherits the server's, set when it started), then ``fn(rank, *args)``. SIGUSR1 prints every thread's
+    Python stack to stderr (what :func:`spawn` does before it kills ranks that overran)."""
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -263,6 +267,7 @@ def spawn(fn, args: tuple = (), nprocs: int = 1, *, timeout_s: float = SPAWN_TIM
     Raises ``TimeoutError`` (the ranks killed) when they have not all ended after ``timeout_s``. In the test
     process."""
     import multiprocessing
+    import signal
     import time
 
     import torch.multiprocessing as mp
@@ -273,6 +278,9 @@ def spawn(fn, args: tuple = (), nprocs: int = 1, *, timeout_s: float = SPAWN_TIM
     while not ctx.join(timeout=1.0):      # raises (the other ranks terminated) when a rank failed
         if time.monotonic() > deadline:
             alive = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+            for rank in alive:             # where each is stuck, on the test's stderr
+                os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+            time.sleep(2.0)
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
