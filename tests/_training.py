@@ -199,20 +199,31 @@ def init_dist(rank: int, world: int, port: int) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def close_dist(*, together: bool = True) -> None:
-    """Leave the gloo group (every rank process of the tests leaves through here, in the rank process).
+#: True in a rank process started by :func:`spawn` (set by :func:`_as_caller`)
+_SPAWNED_RANK = False
 
-    ``together`` (the default): after a barrier, so that no rank destroys its group while a peer or one of gloo's
-    threads still works on a collective: a rank that exits while its peer still talks to it can abort in gloo's
-    threads ("terminate called without an active exception"), and a group destroyed while a gloo thread still
-    finished an allgather of DDP's deadlocked once (the destructor waited for that thread with the GIL held; the
-    thread waited for the GIL). ``together=False``: at once, for a rank whose peers are gone or may be blocked
-    elsewhere (a barrier would wait for them until gloo's timeout)."""
+
+def close_dist(*, together: bool = True) -> None:
+    """Leave the gloo group (every process of the tests that joined one leaves through here, in that process).
+
+    ``together`` (the default): after a barrier, so that no rank leaves while a peer still works on a collective
+    with it (a rank that exits while its peer still talks to it can abort in gloo's threads: "terminate called
+    without an active exception"). ``together=False``: at once, for a rank whose peers are gone or may be blocked
+    elsewhere (a barrier would wait for them until gloo's timeout).
+
+    In a rank process of :func:`spawn` the group is not destroyed: the process ends right after its function
+    (``os._exit``, as a forkserver's child does) and gloo's group object with it, its destructor never run. That
+    destructor deadlocked twice at the end of a DDP rank function (gloo's own group ends when the last
+    reference goes, here DDP's, when the function's locals were freed after ``destroy_process_group``): it joins
+    gloo's worker threads with the GIL held, and one of them waited for the GIL to free the tensors of DDP's last
+    allgather, finished (the barrier had returned) but not yet released. Elsewhere (the test process, a Ray
+    actor) the group is destroyed."""
     try:
         if together:
             torch.distributed.barrier()
     finally:
-        torch.distributed.destroy_process_group()
+        if not _SPAWNED_RANK:
+            torch.distributed.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -249,6 +260,8 @@ def _as_caller(rank: int, env: dict, cwd: str, fn, *args) -> None:
     Python stack to stderr (what :func:`spawn` does before it kills ranks that overran)."""
     import faulthandler
     import signal
+    global _SPAWNED_RANK
+    _SPAWNED_RANK = True
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.clear()
     os.environ.update(env)
