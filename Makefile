@@ -21,11 +21,15 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/failure_injection_demo.py
 
-# the whole suite (what CI runs), with the 25 slowest tests listed at the end. One process: in two pytest-xdist
-# workers (-n 2 --dist loadgroup, every Ray test in one) each Ray test took about twice as long beside the other
-# worker's tests on 2 cores, and the suite no less
+# the whole suite (what CI runs), in two pytest invocations whose union is every test: first the fast tier
+# (below: neither Ray nor several ranks, not a fault trial) in two pytest-xdist workers, then the rest (markers
+# ray, procs and fault, the latter set by conftest for tests/reliability) in one process, one session Ray cluster,
+# with its 25 slowest tests listed. Ray tests stay serial: beside another xdist worker's tests each took about
+# twice as long on 2 cores. Both invocations run; make fails if either failed
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n 2 --durations=10 -m "not ray and not procs and not fault" tests; fast=$$?; \
+	$(PY) -m pytest -q --durations=25 -m "ray or procs or fault" tests; rest=$$?; \
+	test $$fast -eq 0 -a $$rest -eq 0
 
 # the fast tier (~2 min here, in two pytest-xdist workers): everything that needs neither Ray (marker ray) nor a
 # process group of several ranks (marker procs), without the fault trials of tests/reliability (outages, full

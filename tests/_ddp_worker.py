@@ -72,15 +72,12 @@ def run_case(rank, world, uri, kind, opt_kind, hook, out):
 
 def main(rank, world, port, root, cases, results_path):
     import json
-    T.init_dist(rank, world, port)
     results = {}
-    try:
+    with T.dist_group(rank, world, port):
         for kind, opt_kind, hook in cases:
             out = {}
             run_case(rank, world, f"{root}/{kind}-{opt_kind}-{hook}", kind, opt_kind, hook, out)
             results[f"{kind}/{opt_kind}/{hook}"] = out
-    finally:
-        torch.distributed.destroy_process_group()
     if rank == 0:
         with open(results_path, "w") as f:
             json.dump(results, f)

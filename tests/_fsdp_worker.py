@@ -2,6 +2,7 @@
 fails the process and so the test. References are written to the test's folder as torch.save files."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -62,16 +63,11 @@ def _train_recording(model, opt, sch, rank) -> tuple[dict, dict]:
     return local, glob
 
 
-def _init(rank, world, port):
-    T.init_dist(rank, world, port)
-
-
 def train_and_restore(rank, world, port, uri, out):
     """World 2: train STEPS steps with a Checkpointer on every rank; restore each CHECK step into fresh FSDP2
     objects (bitwise against this rank's live shards); resume from RESUME_AT with a new Checkpointer attached,
     train to the end and check the continuation and the new generation's latest step."""
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         model, opt, sch = fsdp_model(0)
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
                                    policy="fixed")
@@ -103,15 +99,12 @@ def train_and_restore(rank, world, port, uri, out):
         assert ray_ckpt.restore(uri, m4, o4, scheduler=s4) == STEPS
         T.assert_same(local[STEPS], local_snapshot(m4, o4, s4), f"rank {rank} latest after the continuation")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def restore_at_world(rank, world, port, uri, out, steps):
     """Another world size: restore each of ``steps`` and compare the gathered global state with the saved
     world's, bitwise; then the latest step."""
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         glob = torch.load(os.path.join(out, "global.pt"), weights_only=False)
         for s in list(steps) + [None]:
             m2, o2, s2 = fsdp_model(99)
@@ -121,15 +114,12 @@ def restore_at_world(rank, world, port, uri, out, steps):
             T.assert_same(glob[got], g, f"world {world} rank {rank} step {got}")
             assert s2.state_dict()["last_epoch"] == got
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def missing_shard(rank, world, port, uri, out, expect):
     """A lineage where rank 1 lacks its newest diff: the latest step restored is the newest every rank holds,
     and the step only rank 0 holds is refused."""
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         local = torch.load(os.path.join(out, f"local-{rank}.pt"), weights_only=False)
         m2, o2, s2 = fsdp_model(99)
         assert ray_ckpt.restore(uri, m2, o2, scheduler=s2) == expect
@@ -142,8 +132,6 @@ def missing_shard(rank, world, port, uri, out, expect):
         else:
             raise AssertionError(f"step {STEPS} restored although rank 1 does not hold it")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def refused(rank, world, port, uri, out):
@@ -151,8 +139,7 @@ def refused(rank, world, port, uri, out):
     runtime="ray", and tensor-parallel / Partial placements (the error names the placements)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         model, opt, sch = fsdp_model(0)
         try:
             ray_ckpt.Checkpointer(uri, model, opt, strategy=ray_ckpt.Amber(), runtime="ray")
@@ -173,14 +160,11 @@ def refused(rank, world, port, uri, out):
             else:
                 raise AssertionError(f"{what} accepted for sharded state")
         assert not os.path.exists(uri) or not os.listdir(uri), os.listdir(uri)
-    finally:
-        dist.destroy_process_group()
 
 
 def reference(rank, world, port, out, steps):
     """The uninterrupted run without checkpointing: the gathered global state after every step (rank 0 saves)."""
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         model, opt, sch = fsdp_model(0)
         glob = {0: global_snapshot(model, opt)}
         for s in range(steps):
@@ -189,28 +173,29 @@ def reference(rank, world, port, out, steps):
         if rank == 0:
             torch.save(glob, os.path.join(out, "global.pt"))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def corrupt_shard_agreement(rank, world, port, uri, out, expect):
     """Rank 1's newest diff object is corrupt: each rank restores with fallback, rank 1 falls back further, and
     the agreement brings both ranks to the step rank 1 reached (bitwise)."""
     from ray_ckpt.integrations.agreement import sharded_agreed_restore
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         local = torch.load(os.path.join(out, f"local-{rank}.pt"), weights_only=False)
         m2, o2, s2 = fsdp_model(99)
         assert sharded_agreed_restore(uri, m2, o2, scheduler=s2) == (expect, True)
         T.assert_same(local[expect], local_snapshot(m2, o2, s2), f"rank {rank} agreed step {expect}")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
+@contextlib.contextmanager
 def _ray(address):
+    """Connected to the test session's Ray cluster at ``address`` for the body."""
     import ray
     ray.init(address=address, namespace="ray_ckpt_tests", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def ray_train_and_restore(rank, world, port, uri, out, address, run):
@@ -222,9 +207,7 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
     from ray_ckpt.engine.sharded import restore_sharded, spec_of
     from ray_ckpt.runtime.client import ShardedMemoryTier
     from ray_ckpt.storage import open_storage
-    _init(rank, world, port)
-    _ray(address)
-    try:
+    with T.dist_group(rank, world, port), _ray(address):
         model, opt, sch = fsdp_model(0)
         os.environ["LOCAL_WORLD_SIZE"] = "2"   # as Ray Train / torchrun set it: both ranks on one node
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
@@ -254,34 +237,23 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
         dist.barrier()
         ck.close()
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
-        import ray
-        ray.shutdown()
 
 
 def ray_restore_at_world(rank, world, port, uri, out, address, run):
     """Another world size with ``runtime="ray"``: every saved shard is loaded through its shard run (replica),
     resharded, and the gathered global state equals the saved world's, bitwise."""
-    _init(rank, world, port)
-    _ray(address)
-    try:
+    with T.dist_group(rank, world, port), _ray(address):
         glob = torch.load(os.path.join(out, "global.pt"), weights_only=False)
         m2, o2, s2 = fsdp_model(99)
         assert ray_ckpt.restore(uri, m2, o2, scheduler=s2, runtime="ray", run=run) == STEPS
         T.assert_same(glob[STEPS], global_snapshot(m2, o2), f"world {world} rank {rank} latest")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
-        import ray
-        ray.shutdown()
 
 
 def train_checkpointed(rank, world, port, uri, out):
     """Train STEPS steps with a Checkpointer on every rank and nothing else; rank 0 saves the gathered global
     state of every step (``global.pt``: what a consolidation must reproduce) and the loop state of the run."""
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         model, opt, sch = fsdp_model(0)
         with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
                                    policy="fixed"):
@@ -291,8 +263,6 @@ def train_checkpointed(rank, world, port, uri, out):
             torch.save({s: local[s]["sched"] for s in local}, os.path.join(out, "sched.pt"))
             torch.save({s: local[s]["opt"]["param_groups"] for s in local}, os.path.join(out, "groups.pt"))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 # -- HSDP: a 2-D (replicate, shard) mesh ------------------------------------------------------------------------
@@ -318,7 +288,7 @@ def hsdp_train_killed(rank, world, port, uri, out):
     """2x2 HSDP: a Checkpointer on every rank (replica 0 of each shard writes it, replica 1 writes nothing but
     counts steps); train HSDP_STEPS steps, save this rank's shards and the gathered state at HSDP_CHECK, make
     everything captured durable, then every rank dies (``os._exit``: no close, no lease release)."""
-    _init(rank, world, port)
+    T.init_dist(rank, world, port)     # the ranks die at the end: never left
     model, opt, sch = hsdp_model(0, (2, 2))
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=HSDP_FULL_EVERY, batch_steps=BATCH,
                                policy="fixed")
@@ -348,8 +318,7 @@ def hsdp_restore(rank, world, port, uri, out, shape, steps):
     """Restore each of ``steps`` (None: the latest) on an HSDP mesh of ``shape`` and compare bitwise: at the
     saved 2x2 shape each rank's own shards (replicas read the shard of their shard coordinate) and the
     scheduler; at any shape the gathered global state with the saved run's."""
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         glob = torch.load(os.path.join(out, "hsdp-global.pt"), weights_only=False)
         saved = torch.load(os.path.join(out, f"hsdp-local-{rank}.pt"), weights_only=False) \
             if tuple(shape) == (2, 2) else None
@@ -362,8 +331,6 @@ def hsdp_restore(rank, world, port, uri, out, shape, steps):
             T.assert_same(glob[got], global_snapshot(m2, o2), f"{shape} rank {rank} step {got}")
             assert s2.state_dict()["last_epoch"] == got
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 # -- Amber for sharded state ------------------------------------------------------------------------------------
@@ -404,8 +371,7 @@ def assert_within_amber_bound(true: dict, got: dict, what: str) -> int:
 def amber_train_restore(rank, world, port, uri, out):
     """World 2 with strategy=Amber (lossy parameters and optimizer state, merged increments): every rank writes
     its shards' increments; each restored step, gathered (consolidated), is within the bound of the live run."""
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         model, opt, sch = fsdp_model(0)
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, strategy=amber_config(), full_every=100,
                                    batch_steps=2, policy="fixed")
@@ -425,14 +391,11 @@ def amber_train_restore(rank, world, port, uri, out):
             stale += assert_within_amber_bound(glob[s], global_snapshot(m2, o2), f"rank {rank} step {s}")
         assert stale > 0   # not vacuous: restores return stale (bounded) values
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def amber_restore_at_world(rank, world, port, uri, out):
     """Another world size: the Amber-restored shards, resharded and gathered, are within the bound."""
-    _init(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         glob = torch.load(os.path.join(out, "amber-global.pt"), weights_only=False)
         for s in (AMBER_CHECK[-2], None):
             m2, o2, s2 = fsdp_model(99)
@@ -440,5 +403,3 @@ def amber_restore_at_world(rank, world, port, uri, out):
             assert got == (AMBER_STEPS if s is None else s), (got, s)
             assert_within_amber_bound(glob[got], global_snapshot(m2, o2), f"world {world} step {got}")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()

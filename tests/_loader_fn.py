@@ -121,8 +121,7 @@ def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
     import ray_ckpt.train
     from tests import _training as T
 
-    T.init_dist(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         for config in configs:
             ds = _data()
             model = _model()
@@ -135,10 +134,6 @@ def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
             data = ray_ckpt.train.ResumableLoader(loader)
             step = _train(net, opt, data, rank=rank, start=0, config=config)
             _final(config["out"], rank, 0, False, step, data, model, opt)
-    finally:
-        # together, after a barrier: a group destroyed while a gloo thread still finishes a collective of DDP's
-        # deadlocked once (the destructor waits for that thread with the GIL held; the thread waits for the GIL)
-        T.close_dist()
 
 
 def fit(ckpt, name: str, config: dict, *, storage_path, full_every: int, batch_steps: int, failure_config=None,

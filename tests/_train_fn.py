@@ -70,8 +70,7 @@ def reference_worker(rank: int, world: int, port: int, out: str, steps: int) -> 
     from ray_ckpt import compression
     from tests import _training as T
 
-    T.init_dist(rank, world, port)
-    try:
+    with T.dist_group(rank, world, port):
         model = T.make_model("mlp")
         net = DistributedDataParallel(model)
         if world > 1:
@@ -82,8 +81,6 @@ def reference_worker(rank: int, world: int, port: int, out: str, steps: int) -> 
             T.train_step("mlp", net, opt, sched, s, rank)
             if rank == 0:
                 torch.save(T.snapshot(model, opt, sched), os.path.join(out, f"ref-{s + 1}.pt"))
-    finally:
-        T.close_dist()
 
 
 def continuation_loop(config: dict) -> None:

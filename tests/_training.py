@@ -1,6 +1,7 @@
 """Small deterministic training jobs shared by the tests (no pytest imports: also used in subprocesses)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -198,13 +199,53 @@ def init_dist(rank: int, world: int, port: int) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def close_dist() -> None:
-    """Leave the gloo group together: a rank that exits while its peer still talks to it can abort in gloo's
-    threads ("terminate called without an active exception")."""
+#: True in a rank process started by :func:`spawn` (set by :func:`_as_caller`)
+_SPAWNED_RANK = False
+
+
+def close_dist(*, together: bool = True) -> None:
+    """Leave the gloo group (every process of the tests that joined one leaves through here, in that process).
+
+    ``together`` (the default): after a barrier, so that no rank leaves while a peer still works on a collective
+    with it (a rank that exits while its peer still talks to it can abort in gloo's threads: "terminate called
+    without an active exception"). ``together=False``: at once, for a rank whose peers are gone or may be blocked
+    elsewhere (a barrier would wait for them until gloo's timeout).
+
+    In a rank process of :func:`spawn` the group is not destroyed: the process ends right after its function
+    (``os._exit``, as a forkserver's child does) and gloo's group object with it, its destructor never run. That
+    destructor deadlocked twice at the end of a DDP rank function (gloo's own group ends when the last
+    reference goes, here DDP's, when the function's locals were freed after ``destroy_process_group``): it joins
+    gloo's worker threads with the GIL held, and one of them waited for the GIL to free the tensors of DDP's last
+    allgather, finished (the barrier had returned) but not yet released. Elsewhere (the test process, a Ray
+    actor) the group is destroyed."""
     try:
-        torch.distributed.barrier()
+        if together:
+            torch.distributed.barrier()
     finally:
-        torch.distributed.destroy_process_group()
+        if not _SPAWNED_RANK:
+            torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def leaving_group():
+    """``with leaving_group():`` the body in the process group this process has joined, which it then leaves
+    through :func:`close_dist`: together when the body returned; at once when it raised (its peers may be
+    blocked in another collective, or gone), the error re-raised."""
+    try:
+        yield
+    except BaseException:
+        close_dist(together=False)
+        raise
+    close_dist()
+
+
+@contextlib.contextmanager
+def dist_group(rank: int, world: int, port: int):
+    """``with dist_group(rank, world, port):`` the body in a gloo group of ``world`` ranks (:func:`init_dist`),
+    left as :func:`leaving_group` leaves it."""
+    init_dist(rank, world, port)
+    with leaving_group():
+        yield
 
 
 # Rank processes for the tests come from a forkserver that imported these once per session, instead of a fresh
@@ -215,19 +256,48 @@ _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.distribute
 
 def _as_caller(rank: int, env: dict, cwd: str, fn, *args) -> None:
     """A rank process: the caller's environment and working directory as of the ``spawn`` call (a forkserver's
-    child inherits the server's, set when it started), then ``fn(rank, *args)``."""
+    child inherits the server's, set when it started), then ``fn(rank, *args)``. SIGUSR1 prints every thread's
+    Python stack to stderr (what :func:`spawn` does before it kills ranks that overran)."""
+    import faulthandler
+    import signal
+    global _SPAWNED_RANK
+    _SPAWNED_RANK = True
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     fn(rank, *args)
 
 
-def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
+#: the longest a group of test ranks may take (the longest takes ~20 s here): past it the ranks are killed and
+#: the test fails, instead of the suite hanging on a rank stuck in a collective or in a group's teardown
+SPAWN_TIMEOUT_S = 300.0
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 1, *, timeout_s: float = SPAWN_TIMEOUT_S) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs, join=True)``'s contract (``fn(rank, *args)`` in ``nprocs``
-    processes; raises if one fails), the processes forked from a forkserver that preloaded torch and ray_ckpt."""
+    processes; raises if one fails), the processes forked from a forkserver that preloaded torch and ray_ckpt.
+    Raises ``TimeoutError`` (the ranks killed) when they have not all ended after ``timeout_s``. In the test
+    process."""
     import multiprocessing
+    import signal
+    import time
 
     import torch.multiprocessing as mp
     multiprocessing.set_forkserver_preload(_PRELOAD)    # read when the forkserver starts (the first call)
-    mp.start_processes(_as_caller, args=(dict(os.environ), os.getcwd(), fn, *args), nprocs=nprocs, join=True,
-                       start_method="forkserver")
+    ctx = mp.start_processes(_as_caller, args=(dict(os.environ), os.getcwd(), fn, *args), nprocs=nprocs,
+                             join=False, start_method="forkserver")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):      # raises (the other ranks terminated) when a rank failed
+        if time.monotonic() > deadline:
+            alive = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+            for rank in alive:             # where each is stuck, on the test's stderr
+                os.kill(ctx.processes[rank].pid, signal.SIGUSR1)
+            time.sleep(2.0)
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(10)
+            raise TimeoutError(f"{getattr(fn, '__qualname__', fn)}: ranks {alive} of {nprocs} still running after "
+                               f"{timeout_s:.0f} s (killed)")

@@ -55,10 +55,20 @@ def pytest_addoption(parser):
                      help="also run tests marked `long` (soak, full-size fuzz, fault trials)")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fault: a fault trial of tests/reliability (set by conftest for every test "
+                                       "there); `make test` runs them outside its pytest-xdist tier")
+
+
+_RELIABILITY_DIR = Path(__file__).resolve().parent / "reliability"
+
+
 def pytest_collection_modifyitems(config, items):
     # the fast tier (`make test-fast`, `-m "not ray and not procs"`) must not start Ray by an omitted marker:
     # whatever takes the session's Ray cluster is a `ray` test
     for item in items:
+        if _RELIABILITY_DIR in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.fault)
         if "ray_cluster" in getattr(item, "fixturenames", ()) and "ray" not in item.keywords:
             item.add_marker(pytest.mark.ray)
         # under pytest-xdist (`pytest -n 2 --dist loadgroup`) every Ray test runs in one worker, one after

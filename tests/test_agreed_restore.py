@@ -146,11 +146,7 @@ def _group_worker(rank, world, port, uri, out, start_fresh, until, abandon_rank1
     if abandon_rank1 and rank == 1:
         import os
         os._exit(0)      # the process dies with its last batch of loop records unwritten
-    if abandon_rank1:
-        import torch.distributed as dist
-        dist.destroy_process_group()     # no barrier: rank 1 is gone
-    else:
-        T.close_dist()
+    T.close_dist(together=not abandon_rank1)     # abandoned: no barrier, rank 1 is gone
 
 
 class _Pos:

@@ -39,6 +39,7 @@ def _outcome(call):
 def _worker(rank, world, port, out):
     """Each case in turn, in one process group; every rank writes what each call returned or raised."""
     res = []
+    crashed = False
     try:
         T.init_dist(rank, world, port)
         group = Collective()
@@ -53,11 +54,13 @@ def _worker(rank, world, port, out):
         res.append(_outcome(lambda: group.all_gather("gather", lambda: rank)))   # the group still works
     except Exception:  # noqa: BLE001
         res.append({"crash": traceback.format_exc()})
+        crashed = True
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
-    # a process that exits with gloo's threads alive may abort ("terminate called without an active exception")
+    # a process that exits with gloo's threads alive may abort ("terminate called without an active exception");
+    # after a crash the peer may wait in another collective: leave at once
     if dist.is_initialized():
-        dist.destroy_process_group()
+        T.close_dist(together=not crashed)
 
 
 @pytest.mark.procs

@@ -236,7 +236,7 @@ SOLO_SCENARIOS = {  # on a one-rank subgroup: world size 1
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with T.leaving_group():
         everyone = dist.new_group(list(range(world)))
         solo = dist.new_group([0])  # collective: every rank creates it, only rank 0 is a member
         results = {}
@@ -248,8 +248,6 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 results[name] = _run(rank, name, make_state, hook, solo)
         dist.barrier()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -63,8 +63,10 @@ class _ProcessGroup:
 
     def close(self) -> None:
         import torch.distributed as dist
+
+        from tests import _training as T
         if self.created and dist.is_initialized():
-            dist.destroy_process_group()
+            T.close_dist()
 
 
 def run_document(blocks: list[D.Block], tmp_path: Path, monkeypatch, *, s3_server=None) -> int:

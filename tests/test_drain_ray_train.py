@@ -24,7 +24,6 @@ import uuid
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ray_ckpt.cli.main import main as cli_main
 from tests import _training as T
@@ -91,8 +90,7 @@ def test_preempted_ray_train_nodes_lose_no_step(tmp_path, ray_cluster, capsys):
     ref_out, out = tmp_path / "ref", tmp_path / "run"
     ref_out.mkdir()
     out.mkdir()
-    mp.spawn(reference_worker, args=(2, T.free_port(), [{"out": str(ref_out), "epochs": EPOCHS}]), nprocs=2,
-             join=True)
+    T.spawn(reference_worker, args=(2, T.free_port(), [{"out": str(ref_out), "epochs": EPOCHS}]), nprocs=2)
     reference = read_finals(ref_out)
     root, gate = str(tmp_path / "ckpt"), str(tmp_path / "gate")
     run = f"drain-train-{uuid.uuid4().hex[:6]}"

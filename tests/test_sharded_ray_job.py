@@ -34,8 +34,7 @@ class _Rank:
 
     def train(self, rank: int, world: int, port: int, uri: str, out: str, run: str, hsdp: bool) -> str:
         os.environ["LOCAL_WORLD_SIZE"] = "2"
-        T.init_dist(rank, world, port)
-        try:
+        with T.dist_group(rank, world, port):
             model, opt, sch = W.hsdp_model(0, (2, 2)) if hsdp else W.fsdp_model(0)
             ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=W.FULL_EVERY,
                                        batch_steps=W.BATCH, policy="fixed", runtime="ray", run=run)
@@ -48,10 +47,6 @@ class _Rank:
                 ck._capture.flush_pending()
                 ck._sink.wait_safe()
             ck.close()
-            T.close_dist()
-        except BaseException:
-            torch.distributed.destroy_process_group()
-            raise
         return ray.get_runtime_context().get_node_id()
 
 
