@@ -43,6 +43,7 @@ from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.lineage import MANIFESTS_DIR
 from ray_ckpt.lineage.layout import RUN_MARKER
 from ray_ckpt.runtime import lineages
+from ray_ckpt.runtime.client import prefetch_snapshot
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shard_runs, shutdown_run
 from ray_ckpt.runtime.worker import get_or_create_worker
 
@@ -128,7 +129,8 @@ class RayCkptCallback(ControllerCallback, WorkerGroupCallback):
         """Controller actor, once the worker group's actors are up (before the train loop runs): when the run's
         persistence workers are in use (a restart), start the one of world rank 0's node if that node has none — a
         replacement node after a node loss — from a thread, without waiting: its process (Python, Ray, torch:
-        seconds) then starts while the workers build and wrap their model, instead of inside ``attach``."""
+        seconds) then starts while the workers build and wrap their model, instead of inside ``attach``. Each
+        worker also starts pulling the replica's snapshot ahead of its restore (:meth:`_prefetch`)."""
         storage = getattr(self, "_storage", None)
         if self.run is None or storage is None:
             return
@@ -140,6 +142,24 @@ class RayCkptCallback(ControllerCallback, WorkerGroupCallback):
             return
         threading.Thread(target=self._start_node_worker, args=(storage, node), daemon=True,
                          name="ray_ckpt-node-worker-start").start()
+        threading.Thread(target=self._prefetch, args=(worker_group.get_workers(),), daemon=True,
+                         name="ray_ckpt-prefetch-start").start()
+
+    def _prefetch(self, workers: list) -> None:
+        """Controller actor, a thread of its own: when the run has a state-tier replica (a restart), every worker
+        starts pulling the replica's snapshot of the latest step into its node's object store
+        (:func:`~ray_ckpt.runtime.client.prefetch_snapshot`), so that the restore in ``attach`` reads it locally.
+        Not waited for; best effort."""
+        try:
+            lineages.replica(self.run)
+        except Exception:  # noqa: BLE001 - no replica (a first start, a sharded run): nothing to pull
+            return
+        for w in workers:
+            try:
+                w.execute_async(prefetch_snapshot, self.run)
+            except Exception as e:  # noqa: BLE001 - Ray Train's internals: an optimization only
+                log.info("ray_ckpt: could not start a snapshot prefetch on a worker (%s)", e)
+                return
 
     def _start_node_worker(self, storage, node: str) -> None:
         """Controller actor, a thread of its own: the run's persistence worker on ``node``, created (not waited

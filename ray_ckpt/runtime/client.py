@@ -5,6 +5,7 @@ Both run in the process that trains (a Ray Train worker, or any process connecte
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import ray
@@ -226,7 +227,79 @@ def load_via_coordinator(storage, step: int | None, *, run: str | None = None,
         except Exception as e:  # noqa: BLE001 - the replica is gone: the chain is complete without it
             log.info("ray_ckpt: replica unavailable (%s); restoring from the chain", e)
             snap = None
-    return load_plan(storage, plan, timeout=timeout, snapshot=snap)
+    try:
+        return load_plan(storage, plan, timeout=timeout, snapshot=snap)
+    finally:
+        release_prefetch()
+
+
+#: the replica snapshot pulled ahead of a restore in this process (:func:`prefetch_snapshot`), or None
+_prefetched: dict | None = None
+_prefetch_lock = threading.Lock()
+
+#: a prefetched snapshot that no restore read is released after this many seconds
+PREFETCH_HOLD_S = 120.0
+
+
+def prefetch_snapshot(run: str, timeout: float = 60.0, hold_s: float = PREFETCH_HOLD_S) -> bool:
+    """Pull the state-tier replica's snapshot of ``run``'s latest recoverable step into this node's object
+    store ahead of a restore, from a thread of this process; returns at once (True when a pull was started).
+
+    The replica answers every :meth:`~ray_ckpt.runtime.replica.ReplicaActor.snapshot` with the same object while
+    its state does not change, so a restore that follows here (:func:`load_via_coordinator`, the same step)
+    reads that object from this node's store instead of across nodes: the pull overlaps with whatever this
+    process does first (a Ray Train worker builds and wraps its model). Nothing else changes: the restore still
+    asks the coordinator and the replica, and checks the step as always; a snapshot of another step is simply
+    not used. The object is held until that restore ends, or ``hold_s`` seconds. Best effort: a run without a
+    coordinator, replica or checkpoint pulls nothing. Ray Train worker, before its train loop (called by
+    :class:`~ray_ckpt.integrations.train_callback.RayCkptCallback` on each worker of a restarted group)."""
+    global _prefetched
+    if not ray.is_initialized():
+        return False
+    box = {"run": run, "released": threading.Event()}
+    with _prefetch_lock:
+        if _prefetched is not None:
+            _prefetched["released"].set()
+        _prefetched = box
+    threading.Thread(target=_pull_snapshot, args=(box, timeout, hold_s), daemon=True,
+                     name="ray_ckpt-prefetch").start()
+    return True
+
+
+def _pull_snapshot(box: dict, timeout: float, hold_s: float) -> None:
+    """:func:`prefetch_snapshot`'s thread: plan, snapshot, pull; then hold the parts until released."""
+    global _prefetched
+    run = box["run"]
+    try:
+        coord = lineages.coordinator(run)
+        plan = ray.get(coord.plan.remote(None), timeout=timeout)
+        if "error" in plan or "replica" not in plan or box["released"].is_set():
+            return
+        snap = ray.get(lineages.replica(run).snapshot.remote(plan["generation"], plan["step"]), timeout=timeout)
+        if snap is None or box["released"].is_set():
+            return
+        t0 = time.perf_counter()
+        box["parts"] = ray.get(snap["ref"], timeout=timeout)   # the local copy stays while this holds it
+        log.info("ray_ckpt: pulled the replica's snapshot of step %d of run %r (%.1f MB) in %.2f s ahead of the "
+                 "restore", snap["step"], run, snap["nbytes"] / 1e6, time.perf_counter() - t0)
+        box["released"].wait(hold_s)
+    except Exception as e:  # noqa: BLE001 - an optimization only: the restore reads as it always does
+        log.info("ray_ckpt: no snapshot pulled ahead of the restore of run %r (%s)", run, e)
+    finally:
+        box.pop("parts", None)
+        with _prefetch_lock:
+            if _prefetched is box:
+                _prefetched = None
+
+
+def release_prefetch() -> None:
+    """Let go of the snapshot :func:`prefetch_snapshot` pulled into this process (if any): a restore read it, or
+    needs it no more. Any thread."""
+    with _prefetch_lock:
+        box = _prefetched
+    if box is not None:
+        box["released"].set()
+        box.pop("parts", None)
 
 
 def record_restore(storage, run: str | None, seconds: float) -> None:

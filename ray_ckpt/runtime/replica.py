@@ -70,12 +70,16 @@ class ReplicaActor:
         self._rebuild = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self._stats = {"applied_steps": 0, "apply_seconds": 0.0, "fulls_written": 0, "full_seconds": 0.0,
                        "full_bytes_written": 0,
-                       "snapshots": 0, "rebuilds": 0,
+                       "snapshots": 0, "snapshots_shared": 0, "rebuilds": 0,
                        # durable_diffs="amber": increments computed from the shadow, written to the Amber tier
                        "amber_increments": 0, "amber_objects": 0, "amber_bytes_written": 0, "amber_seconds": 0.0}
         self._amber: ShadowAmber | None = None
         self._amber_cfg: dict | None = None
         self._coordinator = None
+        #: bumped under the lock whenever the shadow's state changes (installed, or a chunk applied)
+        self._version = 0
+        #: ``(version, answer)`` of the last :meth:`snapshot`: every caller at that state gets the same object
+        self._snap: tuple[int, dict] | None = None
         threading.Thread(target=self._loop, daemon=True, name="ray_ckpt-replica").start()
 
     # -- remote API ------------------------------------------------------------------------------------------
@@ -115,7 +119,12 @@ class ReplicaActor:
 
         One copy: the encoded parts are views of the shadow's tensors, and ``ray.put`` of that list copies each
         straight into the object store (under the lock: the shadow must not advance meanwhile); the restoring
-        process decodes them from there without joining (``container.decode`` takes a list of parts)."""
+        process decodes them from there without joining (``container.decode`` takes a list of parts).
+
+        One object per state: callers that find the shadow unchanged since the last snapshot (the ranks of a
+        group restoring the same step, a prefetch ahead of them: :func:`ray_ckpt.runtime.client.prefetch_snapshot`)
+        get that snapshot's reference again, ``"shared": True``, instead of another encode and put; the replica
+        drops its reference when its state next changes."""
         with self._cv:
             last, since = None, time.monotonic()
             while (step is not None and self.shadow is not None and self.ok and self.generation == generation
@@ -125,6 +134,9 @@ class ReplicaActor:
                 self._cv.wait(0.1)
             if self.shadow is None or not self.ok or self.generation != generation:
                 return None
+            if self._snap is not None and self._snap[0] == self._version:
+                self._stats["snapshots_shared"] += 1
+                return {**self._snap[1], "shared": True}
             t0 = time.perf_counter()
             bufs = [np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
                     for b in rec_fmt.encode_full(self.shadow.snapshot(), checksum=False)]
@@ -132,9 +144,11 @@ class ReplicaActor:
             at = self.shadow.step
             ref = ray.put(bufs)
             del bufs
+            answer = {"step": at, "ref": ref, "nbytes": n}
+            self._snap = (self._version, answer)
         self._stats["snapshots"] += 1
         self._stats["snapshot_seconds"] = time.perf_counter() - t0
-        return {"step": at, "ref": ref, "nbytes": n}
+        return answer
 
     def status(self) -> dict:
         with self._cv:
@@ -219,6 +233,8 @@ class ReplicaActor:
     def _install(self, shadow: ShadowState, generation: int) -> None:
         with self._cv:
             self.shadow, self.generation = shadow, generation
+            self._version += 1
+            self._snap = None
             self.ok, self.reason = True, ""
             self._rebuild = False
         self._progress()
@@ -235,6 +251,9 @@ class ReplicaActor:
         with self._cv:
             shadow = self.shadow
             records = [r for r in records if r.step > shadow.step]
+            if records:   # the state changes: a snapshot taken before no longer describes it
+                self._version += 1
+                self._snap = None
             # stop at each full the trainer delegated to us, to write it from this exact state (the trainer
             # names them in the chunk's manifest: one writer per full, never two)
             fulls = set(m.info.get("replica_fulls", []))
