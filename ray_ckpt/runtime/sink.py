@@ -257,9 +257,10 @@ class RaySink(BoundedSink):
                         waits.append(chunk_t0 + self.handoff_delay - now)
                     if self._unsafe:
                         waits.append(self._poll_t + _POLL_S - now)
-                    if self._inflight:
-                        waits.append(_REAP_S)
-                    waits.append(self._control_t + _CONTROL_S - now)
+                    if self._inflight or self._control_ref is not None:   # answers to collect: looked for
+                        waits.append(_REAP_S)                               # at this cadence, never spun on
+                    if self._control_ref is None:
+                        waits.append(self._control_t + _CONTROL_S - now)
                     timeout = min(waits)
                     if timeout <= 0:
                         break
