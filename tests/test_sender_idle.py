@@ -16,11 +16,11 @@ import ray_ckpt
 
 @ray.remote(num_cpus=0)
 class _SlowCoordinator:
-    """Answers ``control`` as the coordinator does, seconds late (a coordinator busy with a large job)."""
+    """Answers ``control`` as the coordinator does, 1.5 s late (a coordinator busy with a large job)."""
 
     def control(self, generation, report):
-        time.sleep(5.0)
-        return {"delegate": False, "want_full": False}
+        time.sleep(1.5)
+        return {"delegate": True, "want_full": False}
 
 
 @pytest.mark.ray
@@ -48,15 +48,20 @@ def test_the_sender_does_not_spin_while_a_control_answer_is_outstanding(tmp_path
             sink._coordinator, sink._relay_control = slow, False
             sink._control_ref, sink._control_via, sink._control_t = None, None, 0.0
             sink._cv.notify_all()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while sink._control_ref is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert sink._control_ref is not None      # the ask went to the slow coordinator and waits for its answer
         calls[0] = 0
-        time.sleep(2.0)
+        time.sleep(1.0)
         rounds = calls[0]
+        # at the reap cadence about 1 / _REAP_S = 20 rounds; spinning made it thousands
+        assert rounds <= 4 * 1.0 / sink_mod._REAP_S, rounds
+        while not sink._control["delegate"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink._control["delegate"]          # ... and its answer was collected once it came
         with sink._cv:
             sink._coordinator, sink._control_ref = real, None
-        # at the reap cadence about 2 / _REAP_S = 40 rounds; spinning made it thousands
-        assert rounds <= 4 * 2.0 / sink_mod._REAP_S, rounds
         model(torch.ones(1, 8)).sum().backward()
         opt.step()                                 # the sink still works after the answer was dropped
         ck.close()

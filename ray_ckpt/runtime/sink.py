@@ -257,8 +257,10 @@ class RaySink(BoundedSink):
                         waits.append(chunk_t0 + self.handoff_delay - now)
                     if self._unsafe:
                         waits.append(self._poll_t + _POLL_S - now)
-                    if self._inflight or self._control_ref is not None:   # answers to collect: looked for
-                        waits.append(_REAP_S)                               # at this cadence, never spun on
+                    if self._inflight or self._control_ref is not None:
+                        # answers to collect: looked for _REAP_S after the last round (a deadline, not a
+                        # duration: this loop re-computes it after every wake-up), never spun on
+                        waits.append(hk_t + _REAP_S - now)
                     if self._control_ref is None:
                         waits.append(self._control_t + _CONTROL_S - now)
                     timeout = min(waits)
