@@ -265,6 +265,19 @@ def test_threads_that_work_for_training_are_not_charged_to_checkpointing(tmp_pat
     assert w.other_cpu_s < 0.25 * w.base_s, w      # not the other thread's core-second per second
 
 
+def test_the_writer_thread_clock_is_chosen_before_the_thread_runs():
+    """The meter picks its CPU measure at attach, when the writer thread may not have run yet: that it reads the
+    thread's own clock must not depend on the thread having started (it then has used no CPU)."""
+    from ray_ckpt.engine.writer import BoundedSink
+
+    class NotStarted(BoundedSink):
+        def _run(self):
+            pass
+
+    sink = NotStarted(max_pending_bytes=1 << 20, thread_name="not-started")
+    assert sink.measures_cpu and sink.background_cpu() == 0.0
+
+
 def test_estimates_are_measured_under_the_ray_runtime(tmp_path, ray_cluster):  # noqa: F811
     """runtime="ray": the coordinator's cost model gets the training thread's windows (no placeholders)."""
     from ray_ckpt.runtime.coordinator import shutdown_run

@@ -94,6 +94,7 @@ class BoundedSink:
         self._notice: dict | None = None          # a drain notice for this node (see notice)
         self._notice_deadline: float | None = None
         self._cpu_clock: int | None = None       # the background thread's CPU clock (where the platform has one)
+        self._cpu_clock_failed = False
         self._cpu_seen = 0.0
         self._thread = threading.Thread(target=self._main, name=thread_name, daemon=True)
 
@@ -101,7 +102,7 @@ class BoundedSink:
         try:   # read from the training thread by background_cpu(); the clock is valid while this thread lives
             self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
         except (AttributeError, OSError):
-            self._cpu_clock = None
+            self._cpu_clock, self._cpu_clock_failed = None, True
         self._run()
 
     def _run(self) -> None:
@@ -109,13 +110,14 @@ class BoundedSink:
 
     @property
     def measures_cpu(self) -> bool:
-        """Whether :meth:`background_cpu` reads the background thread's own CPU clock (Linux and most Unixes)."""
-        return self._cpu_clock is not None
+        """Whether :meth:`background_cpu` reads the background thread's own CPU clock (Linux and most Unixes). Known
+        at once, before the thread has run (it then has used no CPU)."""
+        return hasattr(time, "pthread_getcpuclockid") and not self._cpu_clock_failed
 
     def background_cpu(self) -> float:
         """CPU seconds the background thread (the writer or sender: encoding, writes, hand-offs, actor calls) has
-        used so far; the last value read once the thread has ended, 0.0 where the platform has no per-thread
-        clock (:attr:`measures_cpu`). Any thread; one clock read."""
+        used so far; the last value read once the thread has ended, 0.0 before it has run and where the platform
+        has no per-thread clock (:attr:`measures_cpu`). Any thread; one clock read."""
         clock = self._cpu_clock
         if clock is not None and self._thread.is_alive():
             try:
