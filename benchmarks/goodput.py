@@ -141,6 +141,22 @@ class _Log:
         self.f.write(json.dumps(rec) + "\n")
 
 
+def _gc_clock() -> list:
+    """``[seconds]``: the time this process has spent in Python's garbage collector since the call, kept current
+    by a ``gc.callbacks`` hook (a collection holds the interpreter lock: the training thread waits; Ray asks every
+    worker of a node for one when that node's object store fills). Any thread."""
+    import gc
+    acc, t0 = [0.0], [0.0]
+
+    def hook(phase, info):
+        if phase == "start":
+            t0[0] = time.perf_counter()
+        else:
+            acc[0] += time.perf_counter() - t0[0]
+    gc.callbacks.append(hook)
+    return acc
+
+
 def train_loop(cfg: dict) -> None:
     """``train_loop_per_worker`` of every arm: one attempt of one rank. Ray Train worker."""
     entered = time.time()
@@ -151,6 +167,7 @@ def train_loop(cfg: dict) -> None:
     from ray.train import Checkpoint, CheckpointUploadMode
 
     torch.set_num_threads(1)
+    gc_s = _gc_clock()
     marks, last = {}, [entered]   # the "restore" column's parts: seconds of each, in order
 
     def mark(name: str) -> None:
@@ -212,7 +229,7 @@ def train_loop(cfg: dict) -> None:
     gran = None
     for step in range(start, steps):
         job.train_step(net, opt, sched, step, rank, "cpu")
-        rec = {"s": step + 1}
+        rec = {"s": step + 1, "gc": round(gc_s[0], 4)}
         if budget is not None and (budget.mode, budget.k) != gran:   # the recovery granularity, when it changes
             gran = (budget.mode, budget.k)
             rec["gran"] = {"mode": budget.mode, "k": budget.k, "reason": budget.reason}
@@ -285,14 +302,14 @@ class Cluster:
     """The private cluster: a head (no ``trainer`` resource: Ray Train's controller, ray_ckpt's coordinator) and
     ``nodes`` trainer nodes with 1 CPU each. Driver."""
 
-    def __init__(self, tmp: str, nodes: int, log):
+    def __init__(self, tmp: str, nodes: int, log, store_mb: int = 200):
         import ray
         from ray.cluster_utils import Cluster as RayCluster
-        self.log, self.want = log, nodes
+        self.log, self.want, self.store_mb = log, nodes, store_mb
         for attempt in range(3):   # a loaded machine can miss Ray's start-up deadlines
             try:
                 self.c = RayCluster(initialize_head=True, head_node_args={
-                    "num_cpus": 2, "object_store_memory": 200 << 20, "temp_dir": os.path.join(tmp, "ray"),
+                    "num_cpus": 2, "object_store_memory": store_mb << 20, "temp_dir": os.path.join(tmp, "ray"),
                     "include_dashboard": False})
                 break
             except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception here
@@ -304,14 +321,19 @@ class Cluster:
         ray.init(address=self.c.address, namespace=harness.RAY_NAMESPACE, log_to_driver=False)
 
     def add(self):
-        node = self.c.add_node(num_cpus=1, object_store_memory=200 << 20, resources={"trainer": 1})
+        node = self.c.add_node(num_cpus=1, object_store_memory=self.store_mb << 20, resources={"trainer": 1})
         self.trainers.append(node)
         return node
 
     def top_up(self) -> None:
         while len(self.trainers) < self.want:
             self.add()
-        self.c.wait_for_nodes(timeout=120)
+        try:
+            self.c.wait_for_nodes(timeout=120)
+        except TimeoutError:   # a removed node GCS still counts alive, or a slow start: say which, wait once more
+            live = self.c.global_state._live_node_ids()
+            self.log(f"nodes: {len(live)} alive, {len(self.c.list_all_nodes())} expected after 120 s; waiting again")
+            self.c.wait_for_nodes(timeout=180)
 
     def node_of(self, node_id: str):
         return next((n for n in self.trainers if n.node_id == node_id), None)
@@ -498,6 +520,7 @@ def fit_arm(cluster: Cluster, tmp: str, arm: str, seed: int, schedule: list, a, 
     res["recovery"] = [breakdown(f, steps, events, states) for f in inj.faults]
     res["step_intervals_s"] = step_intervals(res)
     res["granularity"] = [{"s": r["s"], **r["gran"]} for r in rank0 if "gran" in r]
+    res["gc"] = {str(k): gc_time(_read_jsonl(os.path.join(out, f"rank{k}.jsonl"))) for k in range(2)}
     if arm == "native":
         res["saves"] = [{"s": r["s"], "c": r["c"], "b": r["b"], "jit": r.get("jit", False)} for r in rank0 if "c" in r]
         res["preemption_info_s"] = [r["pi"] for r in rank0 if "pi" in r]
@@ -507,6 +530,19 @@ def fit_arm(cluster: Cluster, tmp: str, arm: str, seed: int, schedule: list, a, 
     final = os.path.join(out, "final.pt")
     res["final"] = final if os.path.exists(final) else None
     return res
+
+
+def gc_time(records: list) -> dict:
+    """A rank's time in Python's garbage collector over all its attempts (the ``gc`` clock of each attempt's last
+    step, summed) and per step run."""
+    total, last, steps = 0.0, 0.0, 0
+    for r in records:
+        if r.get("ev") == "enter":
+            total, last = total + last, 0.0
+        elif "s" in r:
+            last, steps = r.get("gc", 0.0), steps + 1
+    total += last
+    return {"s": round(total, 3), "steps": steps, "per_step_s": round(total / steps, 5) if steps else None}
 
 
 def _intervals(steps: list, cuts: list = ()) -> list:
@@ -642,7 +678,7 @@ def markdown(result: dict) -> str:
              f"{result['machine'].get('cpu')}, {result['machine'].get('cores')} cores (shared; load average "
              f"{result['load_before']} before, {result['load_after']} after), Ray {result['machine'].get('ray')}. "
              f"Ray Train `TorchTrainer`, 2 CPU workers (gloo) on a `Cluster` of a head + {m['nodes']} one-CPU "
-             f"trainer nodes; job `{m['job']}` ({result.get('params', 0):,} parameters), {m['steps']} steps; "
+             f"trainer nodes, {m.get('object_store_mb', 200)} MiB of object store each; job `{m['job']}` ({result.get('params', 0):,} parameters), {m['steps']} steps; "
              f"seeds {m['seeds']}; {m['faults']} faults per run ({', '.join(KINDS)}), gaps of mean {m['mean_gap_s']} s "
              f"running time; a lost node is replaced after {m['rejoin_s']} s; preemption deadline {m['deadline_s']} s. "
              "Mean [min, max] over the seeds (per-failure figures: over every failure of every seed).", "",
@@ -677,6 +713,14 @@ def markdown(result: dict) -> str:
         lines += ["", f"ray_ckpt's recovery granularity (the overhead budget's choice, rank 0): the longest interval "
                   f"between recovery points per seed {ks} steps (1: every step; a run records each change under "
                   "`granularity`)."]
+    gcs = {arm: [r["gc"] for r in result["runs"] if r["arm"] == arm and r.get("gc")] for arm in ARMS}
+    if any(gcs.values()):
+        lines += ["", "Python's garbage collector per step (ms, rank 0 / rank 1, mean over the seeds; a collection "
+                  "holds the interpreter lock, and Ray asks every worker for one when a node's object store "
+                  "fills): " + "; ".join(
+                      f"{arm} " + " / ".join(f"{1e3 * statistics.fmean(g[k]['per_step_s'] for g in v):.1f}"
+                                             for k in ("0", "1"))
+                      for arm, v in gcs.items() if v) + "."]
     att = s.get("ray_ckpt", {}).get("attach_after_restart_s")
     if att:
         lines += ["", f"ray_ckpt's share of each restart (`attach` after a restore, s): total {_pm(att['total'], '.2f')}, "
@@ -759,6 +803,7 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=4.0, help="a preemption's notice to its removal")
     ap.add_argument("--rejoin-s", type=float, default=3.0, help="a lost node's replacement joins this much later")
     ap.add_argument("--nodes", type=int, default=3, help="trainer nodes (2 workers + spares)")
+    ap.add_argument("--object-store-mb", type=int, default=1024, help="each node's object store (MiB)")
     ap.add_argument("--calibrate", type=int, default=5, help="saves timed at the end of ref (the native arm's C)")
     ap.add_argument("--poll-s", type=float, default=0.1)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
@@ -802,7 +847,8 @@ def main(argv=None) -> int:
                   "seeds_done": done,
                   "settings": {k: getattr(a, k) for k in ("seeds", "steps", "job", "faults", "mean_gap_s",
                                                           "min_gap_s", "max_gap_s", "deadline_s", "rejoin_s",
-                                                          "nodes", "calibrate", "arms", "quick")},
+                                                          "nodes", "calibrate", "arms", "quick",
+                                                          "object_store_mb")},
                   "env": {k: os.environ[k] for k in ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",
                                                       "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S",
                                                       "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S")},
@@ -811,7 +857,7 @@ def main(argv=None) -> int:
                   "calibration": cal, "runs": runs, "summary": summarize(runs), "definitions": DEFINITIONS}
         report.write_result(base, result, markdown, plot, echo=False)
 
-    cluster = Cluster(tmp, a.nodes, log)
+    cluster = Cluster(tmp, a.nodes, log, a.object_store_mb)
     try:
         for i, seed in enumerate(a.seeds):
             sched = make_schedule(seed, a.faults, a.mean_gap_s, a.min_gap_s, a.max_gap_s)
@@ -821,7 +867,7 @@ def main(argv=None) -> int:
             loads.append(_load())
             c = statistics.median(ref["calibration"]["save_s"])
             step_s = statistics.fmean(ref["step_intervals_s"])
-            every = young_daly_steps(c, mtbf(sched), step_s)
+            every = young_daly_steps(c, mtbf(sched), step_s) if sched else 0   # no faults: no periodic save
             cal["save_s"].append(c)
             cal["mtbf_s"].append(mtbf(sched))
             cal["preemption_info_s"].append(statistics.median(ref["calibration"]["preemption_info_s"]))

@@ -65,3 +65,27 @@ def test_step_intervals_leave_out_recoveries_and_warm_up():
     run = {"wall_s": 100.0, "recovery": [{"detection_s": 1.0, "restart_s": 20.0}]}
     assert goodput.checkpointing_cost(run, {"wall_s": 60.0}) == 19.0
     assert goodput.checkpointing_cost({"wall_s": None, "recovery": []}, {"wall_s": 60.0}) is None
+
+
+def test_gc_time_sums_each_attempts_clock():
+    """Each attempt's ``gc`` clock starts at 0: a rank's total is the last value of every attempt, summed."""
+    recs = [{"ev": "enter"}, {"s": 1, "gc": 0.1}, {"s": 2, "gc": 0.3},
+            {"ev": "enter"}, {"ev": "restored"}, {"s": 2, "gc": 0.05}, {"s": 3, "gc": 0.2}]
+    g = goodput.gc_time(recs)
+    assert g["s"] == pytest.approx(0.5) and g["steps"] == 4 and g["per_step_s"] == pytest.approx(0.125)
+    assert goodput.gc_time([]) == {"s": 0.0, "steps": 0, "per_step_s": None}
+
+
+def test_gc_clock_counts_collections():
+    import gc
+    before = list(gc.callbacks)
+    clock = goodput._gc_clock()
+    try:
+        junk = [[] for _ in range(200_000)]
+        for j in junk:
+            j.append(j)      # cycles: the collection has work to do
+        del junk
+        gc.collect()
+        assert clock[0] > 0
+    finally:
+        gc.callbacks[:] = before

@@ -87,9 +87,11 @@ class _Held:
     received: float = field(default_factory=time.monotonic)
 
 
-#: the share of its node's object store a worker may fill with held chunks (the rest: chunks in flight, replicas
-#: arriving, other users of the object store); beyond it Ray would spill held chunks to disk
-OBJECT_STORE_SHARE = 0.6
+#: the share of its node's object store a worker may fill with held chunks (the rest: chunks in flight, copies
+#: pulled for the peer and the replica, other users of the object store). A fuller store makes Ray spill held
+#: chunks to disk and ask every Python worker of the cluster for a ``gc.collect()`` (at most every 10 s), which
+#: holds each training process's interpreter lock for a few hundred ms (docs/state-tier.md#object-store-room)
+OBJECT_STORE_SHARE = 0.3
 
 
 def object_store_capacity(node_id: str) -> int:
