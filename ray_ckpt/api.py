@@ -141,6 +141,11 @@ class Checkpointer:
             self.budget = policy = BudgetPolicy(policy, self.config.overhead_budget,
                                                 granular=impl.name == "lowdiff" and self.shard_spec is None,
                                                 max_k=self.config.max_full_every, on_change=self._budget_changed)
+            # a restart (Ray Train's, or a resumed run): start at the granularity the previous attempt measured
+            previous = getattr(self._sink, "previous_granularity", None)
+            if start_step > 0 and policy.granular and policy.budget > 0 and previous is not None:
+                if policy.resume(previous()):
+                    log.info("ray_ckpt: overhead budget %.1f %%: %s", 100 * policy.budget, policy.reason)
             fp_every = self.config.fingerprint_every if getattr(self._sink, "replica_enabled", False) else 0
             self._capture = self._att.hold_capture(impl.make_capture(
                 model, optimizer, self._sink, policy, start_step=start_step, scheduler=scheduler, scaler=scaler,

@@ -7,6 +7,7 @@ import time
 import uuid
 
 import pytest
+import ray
 import torch
 
 import ray_ckpt
@@ -14,6 +15,7 @@ from ray_ckpt.cli.main import main as cli_main
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.policy import FixedFrequencyPolicy, StepContext
 from ray_ckpt.policy.budget import BudgetPolicy, StepMeter, Window, choose_durable
+from ray_ckpt.runtime import lineages
 from ray_ckpt.storage import open_storage
 
 
@@ -85,6 +87,41 @@ def test_a_budget_no_granularity_meets_falls_back_to_the_cost_models_fulls():
     p.observe(_w(2.0, recorded=False, fulls=1, snapshot_ms=1.0))   # unrecorded steps alone: 2 ms of an 8 ms step
     assert (p.mode, p.k, p.lost_work_steps) == ("fulls_only", 100, 100), p.report()
     assert "cannot be met" in p.reason and "100 steps" in p.reason
+
+
+def test_a_restarted_attempt_resumes_the_granularity_it_measured():
+    """A restart keeps the granularity the previous attempt measured (its state, through the coordinator) instead
+    of recording every step again until it has measured the same costs; the costs keep being measured."""
+    a = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
+    a.hint_full(0.002, 8e6)
+    for _ in range(2):
+        a.observe(_w(3.0))                                   # every step: 3 ms of a 7 ms step
+    a.decide(_ctx(51, 0))
+    a.observe(_w(0.05, recorded=False, fulls=2, snapshot_ms=1.0))
+    state = a.state()
+    assert state["mode"] in ("every_k", "fulls_only") and state["step_cost"] == pytest.approx(3e-3)
+
+    b = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
+    assert b.resume(state)
+    assert (b.mode, b.k, b.recording) == (a.mode, a.k, False) and "previous attempt" in b.reason
+    assert b.report()["lost_work_steps"] == a.k and b.changes[-1]["mode"] == a.mode
+    k = b.k   # the attach full was step 80: the next full k steps later, nothing recorded between
+    assert [b.decide(_ctx(80 + i, 80)).full for i in range(1, k + 1)] == [False] * (k - 1) + [True]
+    assert not any(b.decide(_ctx(80 + i, 80 + k)).record for i in range(1, 3))
+    for _ in range(2):                # its windows are unrecorded: still over the budget, so it stays
+        b.observe(_w(0.05, recorded=False, fulls=1, snapshot_ms=1.0))
+    assert b.mode != "every_step"
+    b.step_cost = 1e-5                # (every step would now fit): records resume, from a full
+    b.observe(_w(0.05, recorded=False, fulls=1, snapshot_ms=1.0))
+    assert b.mode == "every_step" and b.decide(_ctx(200, 190)).full and b.recording
+
+    for other in (BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.02),                 # another budget
+                  BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, granular=False)):   # only measured
+        assert not other.resume(state) and other.mode == "every_step" and other.recording
+    for bad in (None, {}, dict(state, mode="every_step"), dict(state, k=1), dict(state, k="3"),
+                dict(state, step_cost=float("nan")), dict(state, k=10_001)):
+        c = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
+        assert not c.resume(bad) and (c.mode, c.k, c.recording) == ("every_step", 1, True)
 
 
 def test_budget_zero_and_bad_values():
@@ -322,19 +359,42 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
         ck = ray_ckpt.Checkpointer(uri, m, opt, runtime="ray", run=run, overhead_budget=0.005, max_full_every=40,
                                    durable_diffs="all")
         step = _train_until_two_points_past_the_switch(ck, m, opt, width, seconds=25)
+        coord = lineages.coordinator(run)
+        deadline = time.monotonic() + 20   # the sender's reports carry the budget's state to the coordinator
+        while (ray.get(coord.granularity.remote()) or {}).get("mode", "every_step") == "every_step" \
+                and time.monotonic() < deadline:
+            step += 1
+            _step(m, opt, step, width)
         st = ck.stats()
         ck.close()
+        gran = st["granularity"]
+        assert gran["mode"] in ("every_k", "fulls_only") and 2 <= gran["k"] <= 40, gran
+        assert gran["lost_work_steps"] == gran["k"]
+        lineage, _ = load_lineage(open_storage(uri))
+        gen = lineage.generations[-1]
+        assert lineage.uncovered_steps(gen) == []            # unrecorded by choice: not a gap
+        assert lineage.head() == step                        # close() took a full of the last, unrecorded step
+        assert any(mm.info.get("unrecorded_from") for mm in lineage.manifests if mm.kind == "full")
+        points = lineage.reachable_steps(gen)
+        fulls = sorted(mm.last_step for mm in lineage.manifests if mm.kind == "full")
+        # the run's next attempt (a Ray Train restart): it starts at the granularity the coordinator last heard,
+        # not at every step
+        prev = ray.get(coord.granularity.remote())
+        m2, opt2 = _model(width, seed=1)
+        at = ray_ckpt.restore(uri, m2, opt2, runtime="ray", run=run)
+        ck2 = ray_ckpt.Checkpointer(uri, m2, opt2, runtime="ray", run=run, overhead_budget=0.005,
+                                    max_full_every=40, durable_diffs="all")
+        g2 = ck2.stats()["granularity"]
+        for i in range(1, prev["k"] + 2):   # the next full comes k steps after the attach full
+            _step(m2, opt2, at + i, width)
+        fulls2 = ck2.stats()["trainer_fulls"]
+        ck2.close()
     finally:
         shutdown_run(run)
-    gran = st["granularity"]
-    assert gran["mode"] in ("every_k", "fulls_only") and 2 <= gran["k"] <= 40, gran
-    assert gran["lost_work_steps"] == gran["k"]
-    lineage, _ = load_lineage(open_storage(uri))
-    gen = lineage.generations[-1]
-    assert lineage.uncovered_steps(gen) == []            # unrecorded by choice: not a gap
-    assert lineage.head() == step                        # close() took a full of the last, unrecorded step
-    assert any(mm.info.get("unrecorded_from") for mm in lineage.manifests if mm.kind == "full")
-    points = lineage.reachable_steps(gen)
-    fulls = sorted(mm.last_step for mm in lineage.manifests if mm.kind == "full")
+    assert at == step and prev["mode"] in ("every_k", "fulls_only")
+    assert (g2["mode"], g2["k"]) == (prev["mode"], prev["k"]) and "previous attempt" in g2["reason"], g2
+    assert fulls2 >= 2, fulls2          # the attach full and one k steps later
     # recorded steps (before the switch) and the fulls every k steps after it: the oldest, newest and two fulls
-    _assert_points_restore_bitwise(uri, width, sorted(set(fulls[-2:]) | set(points[-2:]) | {points[0]}))
+    # of the first attempt, and the second attempt's first full (its steps continue the same batches)
+    check = set(fulls[-2:]) | set(points[-2:]) | {points[0], at + prev["k"]}
+    _assert_points_restore_bitwise(uri, width, sorted(check))

@@ -211,6 +211,40 @@ class BudgetPolicy:
     def lost_work_steps(self) -> int:
         return max(1, self.k)
 
+    # -- across restarts ---------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """What the next attempt of this run starts from (:meth:`resume`): the granularity in force and the costs
+        it was chosen on (JSON-able, small). Any thread."""
+        return {"mode": self.mode, "k": self.k, "budget": self.budget, "step_cost": self.step_cost,
+                "full_cost": self.full_cost, "fixed_cost": self.fixed_cost, "base_s": self.base_s}
+
+    def resume(self, state: dict | None) -> bool:
+        """Start from a previous attempt's :meth:`state` (training thread, before the first step): a run that
+        restarts keeps the granularity it measured instead of recording every step again until it has measured
+        the same costs once more (after a restart every step is dearer: fulls are secured, the replica catches
+        up). Ignored (False) with another budget, a strategy that is only measured, or a malformed state. The
+        costs are measured again as the steps go on: every_step returns as before, when the recorded steps'
+        cost (the one remembered, until every step is recorded again) fits."""
+        if not state or not self.granular or self.budget <= 0 or state.get("budget") != self.budget:
+            return False
+        mode, k = state.get("mode"), state.get("k")
+        if mode not in ("every_k", "fulls_only") or not isinstance(k, int) or not 2 <= k <= self.max_k:
+            return False
+        for name in ("step_cost", "full_cost", "fixed_cost", "base_s"):
+            v = state.get(name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                return False
+        self.step_cost, self.full_cost = state.get("step_cost"), state.get("full_cost")
+        self.fixed_cost, self.base_s = state.get("fixed_cost"), state.get("base_s")
+        self.mode, self.k, self.recording = mode, k, False
+        why = "resumed from the run's previous attempt"
+        if self.step_cost is not None and self.base_s:
+            why += (f": every step cost {_ms(self.step_cost)} of a {_ms(self.base_s)} step "
+                    f"({_pct(self.step_cost / self.base_s)} > budget {_pct(self.budget)})")
+        self.reason = f"{why}: a full every {k} steps"
+        self.changes.append({"mode": mode, "k": k, "reason": self.reason})
+        return True
+
     def hint_full(self, snapshot_s: float, nbytes: float) -> None:
         """The attach full: ``snapshot_s`` on the training thread for ``nbytes`` (training thread)."""
         self._snapshot_hint, self._bytes_hint = snapshot_s, nbytes

@@ -99,6 +99,7 @@ class Coordinator:
         self.gaps: list[dict] = []
         self._holes: dict[tuple[int, int], float] = {}   # (gen, step) -> first seen uncovered
         self._want_full: set[int] = set()                # generations whose trainer must take a full now
+        self._granularity: dict | None = None           # the overhead budget's state in the latest trainer report
         self._last_gap_check = 0.0
         self._gap_cost = 0.0          # CPU seconds the last gap check took (see COST_FACTOR)
         #: durable_only -> (when, CPU seconds it took, the view): periodic callers reuse a view (see _lineage)
@@ -542,8 +543,17 @@ class Coordinator:
             out.append(self.control(generation))
         return out
 
+    def granularity(self) -> dict | None:
+        """The overhead budget's state in the trainer's latest report (``BudgetPolicy.state``), kept for the run's
+        next attempt; None before one came. Remote (a training process at attach)."""
+        return self._granularity
+
     def _observe_trainer(self, trainer: dict | None) -> None:
         if trainer:
+            trainer = dict(trainer)
+            g = trainer.pop("granularity", None)
+            if isinstance(g, dict):
+                self._granularity = g
             try:
                 self.tuner.observe_trainer(**trainer)
                 self._decide()

@@ -576,7 +576,20 @@ class RaySink(BoundedSink):
         if meter is None or meter.last is None or meter.windows == self._trainer_sent:
             return None
         self._trainer_sent = meter.windows
-        return meter.last.to_dict()
+        out = meter.last.to_dict()
+        state = getattr(getattr(self.capture, "policy", None), "state", None)
+        if callable(state):   # the overhead budget's granularity: the run's next attempt starts from it
+            out["granularity"] = state()
+        return out
+
+    def previous_granularity(self, timeout: float = 10.0) -> dict | None:
+        """The overhead budget's state the coordinator last heard from this run's trainer (a previous attempt's,
+        when this process attaches after a restart), or None. Training thread, at attach (one actor call)."""
+        try:
+            return ray.get(self._coordinator.granularity.remote(), timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - an older or busy coordinator: measure from scratch
+            log.debug("ray_ckpt: the previous attempt's granularity is not available: %s", e)
+            return None
 
     def _bandwidth(self, now: float) -> None:
         """durable_diffs="auto": read the node worker's write figures about every ``_BANDWIDTH_S`` (one
