@@ -124,6 +124,28 @@ def test_a_restarted_attempt_resumes_the_granularity_it_measured():
         assert not c.resume(bad) and (c.mode, c.k, c.recording) == ("every_step", 1, True)
 
 
+def test_a_run_that_fails_often_gets_no_coarser_recovery_points_than_young_daly():
+    """The budget alone would space fulls far apart; with the run's observed time between failures (the coordinator
+    hands it to the next attempt) the interval stops at Young/Daly's sqrt(2 C M), where a longer one would lose
+    more work per failure than its fulls save."""
+    state = {"mode": "fulls_only", "k": 120, "budget": 0.05, "step_cost": 3e-3, "full_cost": 0.01,
+             "fixed_cost": 0.0, "base_s": 0.01}
+    free = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
+    assert free.resume(state) and free.k == 120                  # no failure seen: the budget's interval
+    p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
+    assert p.resume(dict(state, mtbf_s=2.0))
+    # sqrt(2 * 0.01 s * 2 s) = 0.2 s = 20 steps of 10 ms
+    assert (p.mode, p.k, p.lost_work_steps) == ("every_k", 20, 20) and "fails every 2 s" in p.reason, p.reason
+    # the choice as the steps go on keeps the cap: fulls of 10 ms at 0.05 % of a 10 ms step would ask for 2000
+    p.budget = 0.0005
+    p.observe(_w(0.001, recorded=False, fulls=1, snapshot_ms=10.0))
+    p.observe(_w(0.001, recorded=False, fulls=1, snapshot_ms=10.0))
+    assert p.k <= 20 + 1, p.report()
+    # a first attempt hears of no failure (mtbf_s None): resume() still takes the MTBF of a state without a mode
+    q = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
+    assert not q.resume({"mtbf_s": 3.0}) and q.mtbf_s == 3.0 and q.mode == "every_step"
+
+
 def test_budget_zero_and_bad_values():
     p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.0)
     for _ in range(3):
@@ -353,6 +375,7 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
     from ray_ckpt.runtime.coordinator import shutdown_run
     run, uri, width = f"k-{uuid.uuid4().hex[:8]}", str(tmp_path / "ck"), 1024
     m, opt = _model(width)
+    t_start = time.time()
     try:
         # every recorded diff durable too (not the bandwidth's choice, "auto"), so that the lineage read from storage
         # after the run has every step the capture recorded
@@ -379,22 +402,30 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
         fulls = sorted(mm.last_step for mm in lineage.manifests if mm.kind == "full")
         # the run's next attempt (a Ray Train restart): it starts at the granularity the coordinator last heard,
         # not at every step
+        t_fail = time.time()
+        ray.get(coord.record_failure.remote({"decision": "RETRY (test)"}))   # as RayCkptCallback reports one
+        time.sleep(2.0)   # the restart: not running time
         prev = ray.get(coord.granularity.remote())
         m2, opt2 = _model(width, seed=1)
         at = ray_ckpt.restore(uri, m2, opt2, runtime="ray", run=run)
         ck2 = ray_ckpt.Checkpointer(uri, m2, opt2, runtime="ray", run=run, overhead_budget=0.005,
                                     max_full_every=40, durable_diffs="all")
-        g2 = ck2.stats()["granularity"]
-        for i in range(1, prev["k"] + 2):   # the next full comes k steps after the attach full
+        g2, mtbf2 = ck2.stats()["granularity"], ck2.budget.mtbf_s
+        for i in range(1, g2["k"] + 2):   # the next full comes k steps after the attach full
             _step(m2, opt2, at + i, width)
         fulls2 = ck2.stats()["trainer_fulls"]
         ck2.close()
     finally:
         shutdown_run(run)
     assert at == step and prev["mode"] in ("every_k", "fulls_only")
-    assert (g2["mode"], g2["k"]) == (prev["mode"], prev["k"]) and "previous attempt" in g2["reason"], g2
+    assert 0 < prev["mtbf_s"] <= t_fail - t_start + 0.5      # the running time before the failure, not the restart
+    # the run's observed running time between failures (it ran on from the read above to the attach)
+    assert prev["mtbf_s"] <= mtbf2 <= prev["mtbf_s"] + 10
+    # the same granularity, or a finer one where the failures ask for it (Young/Daly)
+    assert g2["mode"] in ("every_k", "fulls_only") and 2 <= g2["k"] <= prev["k"], g2
+    assert "previous attempt" in g2["reason"], g2
     assert fulls2 >= 2, fulls2          # the attach full and one k steps later
     # recorded steps (before the switch) and the fulls every k steps after it: the oldest, newest and two fulls
     # of the first attempt, and the second attempt's first full (its steps continue the same batches)
-    check = set(fulls[-2:]) | set(points[-2:]) | {points[0], at + prev["k"]}
+    check = set(fulls[-2:]) | set(points[-2:]) | {points[0], at + g2["k"]}
     _assert_points_restore_bitwise(uri, width, sorted(check))

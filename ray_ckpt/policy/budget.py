@@ -197,6 +197,9 @@ class BudgetPolicy:
         self._unmet = False   #: the latest choice found no interval (up to max_k) that meets the budget
         self._allowed = 0.0   #: the cost per step the budget allowed at the latest choice (seconds)
         self._cf_used = 0.0   #: the cost of a full the latest choice assumed (seconds)
+        #: the run's observed mean time between failures (seconds; from its previous attempt, see resume): k is
+        #: never longer than the Young/Daly interval it gives, where lost work outweighs the fulls saved
+        self.mtbf_s: float | None = None
 
     # the cost model's values, for stats() and the capture
     @property
@@ -225,6 +228,9 @@ class BudgetPolicy:
         up). Ignored (False) with another budget, a strategy that is only measured, or a malformed state. The
         costs are measured again as the steps go on: every_step returns as before, when the recorded steps'
         cost (the one remembered, until every step is recorded again) fits."""
+        mtbf = (state or {}).get("mtbf_s")
+        if isinstance(mtbf, (int, float)) and math.isfinite(mtbf) and mtbf > 0:
+            self.mtbf_s = float(mtbf)
         if not state or not self.granular or self.budget <= 0 or state.get("budget") != self.budget:
             return False
         mode, k = state.get("mode"), state.get("k")
@@ -236,14 +242,34 @@ class BudgetPolicy:
                 return False
         self.step_cost, self.full_cost = state.get("step_cost"), state.get("full_cost")
         self.fixed_cost, self.base_s = state.get("fixed_cost"), state.get("base_s")
+        fk = self._failure_k(self.full_cost)
+        if fk is not None and fk < k:
+            k = fk
+            mode = "fulls_only" if k >= self._k_cap() else "every_k"
         self.mode, self.k, self.recording = mode, k, False
         why = "resumed from the run's previous attempt"
         if self.step_cost is not None and self.base_s:
             why += (f": every step cost {_ms(self.step_cost)} of a {_ms(self.base_s)} step "
                     f"({_pct(self.step_cost / self.base_s)} > budget {_pct(self.budget)})")
-        self.reason = f"{why}: a full every {k} steps"
+        self.reason = f"{why}: a full every {k} steps" + self._failure_note(k)
         self.changes.append({"mode": mode, "k": k, "reason": self.reason})
         return True
+
+    def _failure_k(self, full_cost: float | None) -> int | None:
+        """The interval (steps) that balances a full's cost against the work a failure loses when the run fails
+        every ``mtbf_s`` seconds (Young/Daly, ``sqrt(2 C M)``), at least 2; None while no failure was seen or a
+        cost is unknown."""
+        cf = full_cost if full_cost else self._snapshot_hint
+        if not self.mtbf_s or not cf or not self.base_s:
+            return None
+        return max(2, round(math.sqrt(2.0 * cf * self.mtbf_s) / self.base_s))
+
+    def _failure_note(self, k: int) -> str:
+        fk = self._failure_k(self._cf_used or self.full_cost)
+        if fk is None or k != fk:
+            return ""
+        return (f" (no coarser: the run fails every {self.mtbf_s:.0f} s; Young/Daly from a full's cost gives {fk} "
+                "steps, and a longer interval would lose more work than its fulls save)")
 
     def hint_full(self, snapshot_s: float, nbytes: float) -> None:
         """The attach full: ``snapshot_s`` on the training thread for ``nbytes`` (training thread)."""
@@ -335,10 +361,13 @@ class BudgetPolicy:
         self._allowed = allowed
         if room <= 0:      # no interval meets the budget: the cost model's fulls (see _k_cap)
             self._unmet = True
-            return self._k_cap()
+            fk = self._failure_k(cf)
+            return self._k_cap() if fk is None else min(self._k_cap(), fk)
         k = max(2, math.ceil(cf / room))
         self._unmet = k > self.max_k
-        return int(min(self.max_k, k))
+        k = int(min(self.max_k, k))
+        fk = self._failure_k(cf)
+        return k if fk is None else min(k, fk)
 
     def _k_cap(self) -> int:
         """The fulls the cost model chose for failures (its Young/Daly-style interval), never beyond ``max_k``: the
@@ -360,7 +389,7 @@ class BudgetPolicy:
         elif k > cap:
             why += (f" (coarser than the cost model's full interval of {cap} steps: the budget decides; "
                     f"a failure loses up to {k} steps)")
-        self._change(mode, k, f"{why}: a full every {k} steps")
+        self._change(mode, k, f"{why}: a full every {k} steps" + self._failure_note(k))
 
     def _change(self, mode: str, k: int, why: str) -> None:
         self.mode, self.k = mode, k

@@ -100,6 +100,7 @@ class Coordinator:
         self._holes: dict[tuple[int, int], float] = {}   # (gen, step) -> first seen uncovered
         self._want_full: set[int] = set()                # generations whose trainer must take a full now
         self._granularity: dict | None = None           # the overhead budget's state in the latest trainer report
+        self._down: list[list] = []                      # [failure time, the next attach's time or None]
         self._last_gap_check = 0.0
         self._gap_cost = 0.0          # CPU seconds the last gap check took (see COST_FACTOR)
         #: durable_only -> (when, CPU seconds it took, the view): periodic callers reuse a view (see _lineage)
@@ -545,8 +546,19 @@ class Coordinator:
 
     def granularity(self) -> dict | None:
         """The overhead budget's state in the trainer's latest report (``BudgetPolicy.state``), kept for the run's
-        next attempt; None before one came. Remote (a training process at attach)."""
-        return self._granularity
+        next attempt, with ``mtbf_s``: the run's observed mean running time between worker-group failures (its time
+        since this coordinator started, less each failure's time to the next attach, over the failures recorded;
+        absent before the first). None when there is neither.
+        Remote (a training process at attach)."""
+        out = dict(self._granularity or {})
+        if self.failures:
+            now = time.time()
+            for d in self._down:          # an attach after a failure: the run is up again
+                if d[1] is None:
+                    d[1] = now
+            running = now - self.started_at - sum(up - down for down, up in self._down)
+            out["mtbf_s"] = max(1e-3, running) / len(self.failures)
+        return out or None
 
     def _observe_trainer(self, trainer: dict | None) -> None:
         if trainer:
@@ -753,6 +765,7 @@ class Coordinator:
     def record_failure(self, info: dict) -> None:
         """A worker-group failure (from the Ray Train callback): input for adaptive policies."""
         self.failures.append({"time": time.time(), **info})
+        self._down.append([self.failures[-1]["time"], None])
         self.tuner.observe_failure(self.failures[-1]["time"])
         self._decide(publish=True)
         self._changes += 1
