@@ -27,6 +27,7 @@ driver-side callback, tests).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -90,6 +91,11 @@ class _Replica:
     updated: float = field(default_factory=time.time)
 
 
+def _num(v) -> float:
+    """``v`` as a non-negative finite float (0 otherwise): a figure of a trainer report."""
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else 0.0
+
+
 class Coordinator:
     def __init__(self, run: str, storage, full_every: int, batch_steps: int, keep_fulls: int = 0,
                  max_replica_lag: int = 100, policy_options: dict | None = None, hosted: bool = False):
@@ -101,6 +107,7 @@ class Coordinator:
         self._want_full: set[int] = set()                # generations whose trainer must take a full now
         self._granularity: dict | None = None           # the overhead budget's state in the latest trainer report
         self._down: list[list] = []                      # [failure time, the next attach's time or None]
+        self._running_since: float | None = None         # the trainer's first measured window (its steps began)
         self._last_gap_check = 0.0
         self._gap_cost = 0.0          # CPU seconds the last gap check took (see COST_FACTOR)
         #: durable_only -> (when, CPU seconds it took, the view): periodic callers reuse a view (see _lineage)
@@ -547,7 +554,7 @@ class Coordinator:
     def granularity(self) -> dict | None:
         """The overhead budget's state in the trainer's latest report (``BudgetPolicy.state``), kept for the run's
         next attempt, with ``mtbf_s``: the run's observed mean running time between worker-group failures (its time
-        since this coordinator started, less each failure's time to the next attach, over the failures recorded;
+        since its trainer's first steps, less each failure's time to the next attach, over the failures recorded;
         absent before the first). None when there is neither.
         Remote (a training process at attach)."""
         out = dict(self._granularity or {})
@@ -556,12 +563,15 @@ class Coordinator:
             for d in self._down:          # an attach after a failure: the run is up again
                 if d[1] is None:
                     d[1] = now
-            running = now - self.started_at - sum(up - down for down, up in self._down)
+            since = self._running_since or self.started_at
+            running = now - since - sum(up - max(down, since) for down, up in self._down if up > since)
             out["mtbf_s"] = max(1e-3, running) / len(self.failures)
         return out or None
 
     def _observe_trainer(self, trainer: dict | None) -> None:
         if trainer:
+            if self._running_since is None:   # steps began about a window before (not the start-up before them)
+                self._running_since = time.time() - _num(trainer.get("steps")) * _num(trainer.get("wall_s"))
             trainer = dict(trainer)
             g = trainer.pop("granularity", None)
             if isinstance(g, dict):
