@@ -330,9 +330,15 @@ class Cluster:
             self.add()
         try:
             self.c.wait_for_nodes(timeout=120)
-        except TimeoutError:   # a removed node GCS still counts alive, or a slow start: say which, wait once more
-            live = self.c.global_state._live_node_ids()
-            self.log(f"nodes: {len(live)} alive, {len(self.c.list_all_nodes())} expected after 120 s; waiting again")
+        except TimeoutError:   # a node drained by a preemption the run outlived, or one that never came up
+            live = set(self.c.global_state._live_node_ids())
+            gone = [n for n in self.trainers if n.node_id not in live]
+            self.log(f"nodes: {len(live)} alive, {len(self.c.list_all_nodes())} expected after 120 s; replacing "
+                     f"{len(gone)} trainer node(s) that are not alive")
+            for n in gone:
+                self.remove(n)
+            while len(self.trainers) < self.want:
+                self.add()
             self.c.wait_for_nodes(timeout=180)
 
     def node_of(self, node_id: str):
