@@ -206,6 +206,7 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
     lineage is closed."""
     from ray_ckpt.engine.sharded import restore_sharded, spec_of
     from ray_ckpt.runtime.client import ShardedMemoryTier
+    from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE
     from ray_ckpt.storage import open_storage
     with T.dist_group(rank, world, port), _ray(address):
         model, opt, sch = fsdp_model(0)
@@ -213,7 +214,7 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
                                    policy="fixed", runtime="ray", run=run, durable_diffs="fulls")
         # the two shard runs' workers share the node's object store (300 MiB in the test cluster): 60 % of it, halved
-        assert ck.stats()["runtime"]["worker"]["memory_budget"] == int((300 << 20) * 0.6) // 2
+        assert ck.stats()["runtime"]["worker"]["memory_budget"] == int((300 << 20) * OBJECT_STORE_SHARE) // 2
         local, glob = _train_recording(model, opt, sch, rank)
         torch.save(local, os.path.join(out, f"local-{rank}.pt"))
         if rank == 0:

@@ -17,6 +17,7 @@ import torch
 import ray_ckpt
 from ray_ckpt.cli.main import main as cli_main
 from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE
 from ray_ckpt.runtime import naming
 from ray_ckpt.runtime.client import load_via_coordinator
 from ray_ckpt.runtime.coordinator import shutdown_run
@@ -128,9 +129,9 @@ def test_batches_are_one_actor_call_each_and_stay_whole(run_env):
     sent0 = ck._sink.chunks_sent
     for s in range(40):
         T.train_step("mlp", model, opt, sch, s)
-    # the default memory_budget (2 GiB) does not fit this node's 300 MiB object store: capped at 60 % of it (a
+    # the default memory_budget (2 GiB) does not fit this node's 300 MiB object store: capped at its share of it (a
     # larger budget makes Ray spill held chunks to disk and back)
-    assert ck.stats()["runtime"]["worker"]["memory_budget"] == int(0.6 * (300 << 20))
+    assert ck.stats()["runtime"]["worker"]["memory_budget"] == int((300 << 20) * OBJECT_STORE_SHARE)
     ck.close()
     sent = ck._sink.chunks_sent - sent0
     assert sent <= 40 // 10 + 1, sent   # at most one hand-off per batch (+1: the record finalized at close)
