@@ -36,7 +36,13 @@ def test_budget_policy_chooses_the_granularity_from_measured_windows():
     for _ in range(3):                      # every step fits: 0.2 ms of a 9.8 ms step
         p.observe(_w(0.2))
     assert (p.mode, p.k, p.recording) == ("every_step", 1, True) and not changes
-    p.observe(_w(3.0))                      # 3 ms per step of a 7 ms step: over 5 %
+    p.observe(_w(3.0))                      # 3 ms per step of a 7 ms step: over 5 %, once
+    assert p.mode == "every_step" and "measuring another" in p.reason and not changes
+    p.observe(_w(0.2))                      # a single window is not enough: a pause of the process (a GC)
+    p.observe(_w(0.2))
+    assert p.mode == "every_step" and not changes
+    p.observe(_w(6.0))
+    p.observe(_w(6.0))                      # over the budget in two windows in a row
     assert p.mode in ("every_k", "fulls_only") and p.k >= 2 and p.lost_work_steps == p.k
     d = p.decide(_ctx(51, 0))               # the switch: the last recorded step closes its batch
     assert d.record and d.close_batch and not p.recording
@@ -62,7 +68,7 @@ def test_the_budget_outranks_the_cost_models_full_interval():
     the policy takes that longer interval and says why, instead of staying at 20 steps over the budget."""
     p = BudgetPolicy(FixedFrequencyPolicy(20, 10), 0.05, max_k=10_000)
     p.hint_full(0.015, 8e6)
-    for _ in range(2):
+    for _ in range(3):    # the first window is not used; then two over the budget
         p.observe(_w(3.0))                                   # every step: 3 ms of a 7 ms step
     p.decide(_ctx(51, 0))
     for _ in range(2):                                       # unrecorded: 0.05 ms a step, a full 15 ms
@@ -80,7 +86,7 @@ def test_a_budget_no_granularity_meets_falls_back_to_the_cost_models_fulls():
     coarsest granularity it chose for failures), never a longer interval that loses more work and still misses."""
     p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
     p.hint_full(0.002, 8e6)
-    for _ in range(2):
+    for _ in range(3):    # the first window is not used; then two over the budget
         p.observe(_w(3.0))                                   # every step: 3 ms of a 7 ms step
     assert p.mode in ("every_k", "fulls_only") and p.k <= 100
     p.decide(_ctx(51, 0))
@@ -94,7 +100,7 @@ def test_a_restarted_attempt_resumes_the_granularity_it_measured():
     of recording every step again until it has measured the same costs; the costs keep being measured."""
     a = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
     a.hint_full(0.002, 8e6)
-    for _ in range(2):
+    for _ in range(3):    # the first window is not used; then two over the budget
         a.observe(_w(3.0))                                   # every step: 3 ms of a 7 ms step
     a.decide(_ctx(51, 0))
     a.observe(_w(0.05, recorded=False, fulls=2, snapshot_ms=1.0))

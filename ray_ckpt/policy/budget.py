@@ -47,6 +47,9 @@ PAUSE_FACTOR = 10.0
 K_HYSTERESIS = 1.25
 #: every_step is chosen again when its last measured cost is below this share of the budget
 RETURN_SHARE = 0.8
+#: every_step is left only when the cost of recording every step is over the budget in this many consecutive
+#: windows: a single window can hold a pause of the whole process (a garbage collection in the writer thread)
+OVER_WINDOWS = 2
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,7 @@ class BudgetPolicy:
         #: the run's observed mean time between failures (seconds; from its previous attempt, see resume): k is
         #: never longer than the Young/Daly interval it gives, where lost work outweighs the fulls saved
         self.mtbf_s: float | None = None
+        self._over = 0        #: consecutive windows whose every-step cost broke the budget
 
     # the cost model's values, for stats() and the capture
     @property
@@ -327,10 +331,18 @@ class BudgetPolicy:
             return
         allowed = self.budget * self.base_s
         if self.mode == "every_step":
-            if self.step_cost is None or self.step_cost <= allowed:
+            if self.step_cost is None or self.step_cost <= allowed or not w.cost_s > allowed:
+                self._over = 0    # (the average over the budget, this window within it: a pause fading out)
                 self.reason = (f"every step fits: {_ms(self.step_cost or w.cost_s)} per step of "
                                f"{_ms(self.base_s)} ({_pct((self.step_cost or w.cost_s) / self.base_s)}, budget "
-                               f"{_pct(self.budget)})")
+                               f"{_pct(self.budget)})" if self.step_cost is None or self.step_cost <= allowed else
+                               f"every step costs {_ms(self.step_cost)} on average, {_ms(w.cost_s)} in the latest "
+                               f"window of a {_ms(self.base_s)} step: measuring another")
+                return
+            self._over += 1
+            if self._over < OVER_WINDOWS:   # one window is not enough to leave every step (a pause of the whole
+                self.reason = (f"every step costs {_ms(self.step_cost)} of a {_ms(self.base_s)} step, over the "
+                               f"budget in {self._over} window: measuring another")   # process: a GC, a swap-in)
                 return
             k = self._k_for(allowed)
             self._set(k, f"every step costs {_ms(self.step_cost)} of a {_ms(self.base_s)} step "
