@@ -331,18 +331,19 @@ class BudgetPolicy:
             return
         allowed = self.budget * self.base_s
         if self.mode == "every_step":
-            if self.step_cost is None or self.step_cost <= allowed or not w.cost_s > allowed:
-                self._over = 0    # (the average over the budget, this window within it: a pause fading out)
-                self.reason = (f"every step fits: {_ms(self.step_cost or w.cost_s)} per step of "
-                               f"{_ms(self.base_s)} ({_pct((self.step_cost or w.cost_s) / self.base_s)}, budget "
-                               f"{_pct(self.budget)})" if self.step_cost is None or self.step_cost <= allowed else
+            fits = self.step_cost is None or self.step_cost <= allowed
+            if fits or not w.cost_s > allowed:   # (over on average only: a pause fading out of the average)
+                self._over = 0
+                cost = self.step_cost or w.cost_s
+                self.reason = (f"every step fits: {_ms(cost)} per step of {_ms(self.base_s)} "
+                               f"({_pct(cost / self.base_s)}, budget {_pct(self.budget)})" if fits else
                                f"every step costs {_ms(self.step_cost)} on average, {_ms(w.cost_s)} in the latest "
                                f"window of a {_ms(self.base_s)} step: measuring another")
                 return
             self._over += 1
-            if self._over < OVER_WINDOWS:   # one window is not enough to leave every step (a pause of the whole
+            if self._over < OVER_WINDOWS:   # one window may hold a pause of the whole process (a GC, a swap-in)
                 self.reason = (f"every step costs {_ms(self.step_cost)} of a {_ms(self.base_s)} step, over the "
-                               f"budget in {self._over} window: measuring another")   # process: a GC, a swap-in)
+                               f"budget in {self._over} window: measuring another")
                 return
             k = self._k_for(allowed)
             self._set(k, f"every step costs {_ms(self.step_cost)} of a {_ms(self.base_s)} step "
