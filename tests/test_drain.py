@@ -194,7 +194,8 @@ if ray is not None:
                 self.step += 1
                 tmp = progress + ".tmp"
                 with open(tmp, "w") as f:
-                    json.dump({"step": self.step, "preempted": self.ck.preempted()}, f)
+                    json.dump({"step": self.step, "preempted": self.ck.preempted(),
+                               "mode": self.ck.budget.mode, "reason": self.ck.budget.reason}, f)
                 os.replace(tmp, progress)
                 time.sleep(pause)
             return self.step
@@ -277,6 +278,40 @@ def test_a_drained_trainer_node_removed_at_the_deadline_loses_no_captured_step(r
     o = T.make_optimizer("adamw", m)
     assert ray_ckpt.restore(uri, m, o, step=got) == got
     T.assert_same(ref[got], T.snapshot(m, o), "from storage alone")
+
+
+@pytest.mark.ray
+def test_a_drain_makes_a_budget_that_left_steps_unrecorded_record_every_step(ray_cluster, drain_run, tmp_path):
+    """The overhead budget had left every-step recording (a budget no step fits: a full every 1,000 steps, the
+    steps between them unrecorded): the notice turns recording back on at once (a full of the step it came at,
+    then each step's record), so the node removed at the deadline still loses no step, bitwise."""
+    run, uri = drain_run, str(tmp_path / "ckpt")
+    progress = str(tmp_path / "progress.json")
+    node, tr = _trainer_node(ray_cluster, uri, run, full_every=1000, batch_steps=8, policy="fixed",
+                             overhead_budget=1e-6)
+    removed = False
+    try:
+        tr.train.remote(progress, 100_000, 0.02)
+        left = _wait(lambda: (lambda p: p if p.get("mode", "every_step") != "every_step" else None)(
+            _progress(progress)), 120, "the budget to leave every-step recording")
+        _log(f"budget: {left['mode']} at step {left['step']}: {left['reason']}")
+        _wait(lambda: _progress(progress)["step"] >= left["step"] + 10, 60, "unrecorded steps")
+        deadline = time.time() + 5
+        _drain_cli(ray_cluster, node.node_id, 5)
+        _wait(lambda: _progress(progress).get("preempted"), 15, "the trainer to hear of the drain")
+        time.sleep(max(0.0, deadline - time.time()))
+        at_removal = _progress(progress)
+        ray_cluster.remove_node(node)           # the preemption itself, at the deadline
+        removed = True
+    finally:
+        if not removed:
+            ray_cluster.remove_node(node)
+    assert at_removal["mode"] == "every_step" and "drain notice" in at_removal["reason"], at_removal
+    last = at_removal["step"]
+    ref = _reference(last + 1)
+    got = _restore_latest(uri, run, lambda s: ref[s])
+    _log(f"removed at step {last}, restored {got}")
+    assert last <= got <= last + 1, (got, last)   # 0 lost
 
 
 @pytest.mark.ray

@@ -152,6 +152,43 @@ def test_a_run_that_fails_often_gets_no_coarser_recovery_points_than_young_daly(
     assert not q.resume({"mtbf_s": 3.0}) and q.mtbf_s == 3.0 and q.mode == "every_step"
 
 
+def test_a_drain_notice_records_every_step_until_it_is_withdrawn():
+    """A preemption notice outranks the budget: from the notice on every step is a recovery point (a full of the
+    step it came at, then a record of each step after it) whatever that costs, so that a node removed at the
+    deadline loses no step; once the notice is withdrawn the budget decides again (two windows over it)."""
+    notice = {"on": False}
+    p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000, draining=lambda: notice["on"])
+    state = {"mode": "every_k", "k": 20, "budget": 0.05, "step_cost": 3e-3, "full_cost": 0.002,
+             "fixed_cost": 0.0, "base_s": 0.01}
+    assert p.resume(state) and not p.recording
+    assert not p.needs_state(81, 80) and not p.decide(_ctx(81, 80)).full          # every_k: step 81 unrecorded
+    notice["on"] = True
+    assert p.needs_state(82, 80)                     # the step of the notice keeps its loop state: a full of it
+    d = p.decide(_ctx(82, 80))
+    assert d.full and not d.record and p.recording and (p.mode, p.k) == ("every_step", 1)
+    assert "drain notice" in p.reason and p.changes[-1]["mode"] == "every_step"
+    assert all(p.decide(_ctx(s, 82)).record for s in range(83, 90))
+    for _ in range(4):                               # far over the budget: stays while the notice is in force
+        p.observe(_w(3.0))
+        assert p.mode == "every_step" and p.recording and p.decide(_ctx(90, 82)).record
+    notice["on"] = False                             # withdrawn: two windows over the budget leave every step
+    p.needs_state(91, 82)
+    assert "withdrawn" in p.reason
+    p.observe(_w(3.0))
+    assert p.mode == "every_step"
+    p.observe(_w(3.0))
+    assert p.mode in ("every_k", "fulls_only")
+    # a notice while the switch away from every_step is pending cancels it
+    q = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000, draining=lambda: notice["on"])
+    for _ in range(3):
+        q.observe(_w(3.0))
+    assert q.mode != "every_step" and q.recording     # the last recorded step is still to come
+    notice["on"] = True
+    assert q.needs_state(5, 0)
+    assert q.decide(_ctx(5, 0)).record and q.recording and q.mode == "every_step"
+    assert q.decide(_ctx(6, 0)).record
+
+
 def test_budget_zero_and_bad_values():
     p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.0)
     for _ in range(3):

@@ -182,6 +182,11 @@ class BoundedSink:
         n = self._notice
         return None if n is None else dict(n)
 
+    @property
+    def draining(self) -> bool:
+        """Whether a drain notice is in force (O(1), no copy: the overhead budget reads it every step)."""
+        return self._notice is not None
+
     def _sync_due(self) -> bool:
         d = self._notice_deadline
         return d is None or time.monotonic() >= d - SYNC_BEFORE_DEADLINE_S

@@ -171,10 +171,13 @@ class BudgetPolicy:
     at most once a window. ``budget``: the share of the step time checkpointing may cost (0 turns the budget
     off: every step is recorded). ``granular``: whether the capture can leave steps unrecorded (LowDiff);
     other strategies are only measured. ``max_k``: the longest interval between recovery points.
-    ``on_change(report)``: called when the granularity changes (training thread)."""
+    ``on_change(report)``: called when the granularity changes (training thread). ``draining()``: whether this
+    process's node drains (a preemption notice; O(1), read once per step): from the notice on every step is
+    recorded whatever it costs, so that the steps up to the deadline are recovery points (zero loss); the
+    budget decides again once the notice is withdrawn."""
 
     def __init__(self, inner, budget: float, *, granular: bool = True, max_k: int = 10_000, warmup: int = 1,
-                 on_change=None):
+                 on_change=None, draining=None):
         if not 0 <= budget < 10:
             raise ValueError(f"overhead_budget must be in [0, 10), got {budget}")
         self.inner, self.budget, self.granular, self.max_k = inner, budget, granular, max_k
@@ -204,6 +207,8 @@ class BudgetPolicy:
         #: never longer than the Young/Daly interval it gives, where lost work outweighs the fulls saved
         self.mtbf_s: float | None = None
         self._over = 0        #: consecutive windows whose every-step cost broke the budget
+        self.draining = draining
+        self._drained = False  #: every step recorded because of a drain notice (until it is withdrawn)
 
     # the cost model's values, for stats() and the capture
     @property
@@ -281,6 +286,7 @@ class BudgetPolicy:
 
     # -- training thread, per step ---------------------------------------------------------------------------
     def decide(self, ctx: StepContext) -> StepDecision:
+        self._check_drain()
         record = self.recording
         switch, self._switch_to = self._switch_to, None
         if switch == "every_step":            # records resume after a full of this very step
@@ -300,7 +306,30 @@ class BudgetPolicy:
         while recording; in the every-k modes only where a full may be taken (due, or a switch pending). A full
         that comes due anyway at a step captured without it (a full the coordinator asks for) is taken at the
         next step."""
+        self._check_drain()
         return self.recording or self._switch_to is not None or step - last_full_step >= self.k
+
+    def _check_drain(self) -> None:
+        if self.draining is not None and self.draining() != self._drained:
+            self._drain_changed()
+
+    def _drain_changed(self) -> None:
+        """A drain notice came (every step is recorded from this step on: a full of it, then its successors'
+        records) or went (the budget decides again at its next window). Training thread."""
+        self._drained = not self._drained
+        if not self._drained:
+            self._over = 0
+            self.reason = "drain notice withdrawn: every step recorded until the budget measures a window"
+            return
+        why = "drain notice: this node goes away at a deadline; every step recorded until then (zero loss)"
+        if self._switch_to == "every_k":      # about to leave every_step: stays
+            self._switch_to = None
+            self._change("every_step", 1, why)
+        elif not self.recording and self._switch_to is None:
+            self._switch_to = "every_step"    # a full of this step, then a record of each one after it
+            self._change("every_step", 1, why)
+        else:
+            self.reason = why
 
     # -- training thread, once a window ------------------------------------------------------------------------
     def observe(self, w: Window) -> None:
@@ -330,6 +359,8 @@ class BudgetPolicy:
                 self.reason = "measured only: this strategy records every step"
             return
         allowed = self.budget * self.base_s
+        if self._drained:                     # every step recorded until the node is gone or the notice withdrawn
+            return
         if self.mode == "every_step":
             fits = self.step_cost is None or self.step_cost <= allowed
             if fits or not w.cost_s > allowed:   # (over on average only: a pause fading out of the average)
