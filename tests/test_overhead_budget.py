@@ -63,6 +63,26 @@ def test_budget_policy_chooses_the_granularity_from_measured_windows():
     assert "budget" in p.report()["reason"] or "fits" in p.report()["reason"]
 
 
+def test_a_first_measurement_far_over_the_budget_leaves_every_step_at_once():
+    """The run's first measured window costs over 3x the budget: no second window is recorded at that cost. A window
+    as far over after windows that fitted is taken for a pause and measured again."""
+    p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05)
+    p.hint_full(0.002, 8e6)
+    p.observe(_w(6.0))                      # the warm-up window (the attach full's hand-off): not used
+    assert p.mode == "every_step"
+    p.observe(_w(6.0))                      # 6 ms of a 4 ms step: 150 %, 30x the budget, in the first window
+    assert p.mode in ("every_k", "fulls_only") and p.decide(_ctx(20, 0)).record and not p.recording
+    q = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05)
+    q.observe(_w(0.2))
+    q.observe(_w(0.2))                      # fits
+    q.observe(_w(1.0))                      # over, but not 3x the budget: measured again
+    assert q.mode == "every_step"
+    r = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05)
+    r.observe(_w(6.0))
+    r.observe(_w(0.6))                      # over, not 3x: one window is not enough
+    assert r.mode == "every_step"
+
+
 def test_the_budget_outranks_the_cost_models_full_interval():
     """A full costs so much that only an interval longer than the cost model's (every 20 steps) keeps the budget:
     the policy takes that longer interval and says why, instead of staying at 20 steps over the budget."""
@@ -155,7 +175,7 @@ def test_a_run_that_fails_often_gets_no_coarser_recovery_points_than_young_daly(
 def test_a_drain_notice_records_every_step_until_it_is_withdrawn():
     """A preemption notice outranks the budget: from the notice on every step is a recovery point (a full of the
     step it came at, then a record of each step after it) whatever that costs, so that a node removed at the
-    deadline loses no step; once the notice is withdrawn the budget decides again (two windows over it)."""
+    deadline loses no step; once the notice is withdrawn the budget decides again."""
     notice = {"on": False}
     p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000, draining=lambda: notice["on"])
     state = {"mode": "every_k", "k": 20, "budget": 0.05, "step_cost": 3e-3, "full_cost": 0.002,
@@ -171,11 +191,10 @@ def test_a_drain_notice_records_every_step_until_it_is_withdrawn():
     for _ in range(4):                               # far over the budget: stays while the notice is in force
         p.observe(_w(3.0))
         assert p.mode == "every_step" and p.recording and p.decide(_ctx(90, 82)).record
-    notice["on"] = False                             # withdrawn: two windows over the budget leave every step
+    notice["on"] = False                             # withdrawn: the budget decides again
     p.needs_state(91, 82)
     assert "withdrawn" in p.reason
     p.observe(_w(3.0))
-    assert p.mode == "every_step"
     p.observe(_w(3.0))
     assert p.mode in ("every_k", "fulls_only")
     # a notice while the switch away from every_step is pending cancels it

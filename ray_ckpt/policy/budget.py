@@ -50,6 +50,9 @@ RETURN_SHARE = 0.8
 #: every_step is left only when the cost of recording every step is over the budget in this many consecutive
 #: windows: a single window can hold a pause of the whole process (a garbage collection in the writer thread)
 OVER_WINDOWS = 2
+#: ... or in one, when no window fitted the budget yet and it costs this many times the budget (a run's first
+#: measurement: each further window recorded at such a cost is a large share of its steps paid for nothing)
+FAR_OVER = 3.0
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ class BudgetPolicy:
         #: never longer than the Young/Daly interval it gives, where lost work outweighs the fulls saved
         self.mtbf_s: float | None = None
         self._over = 0        #: consecutive windows whose every-step cost broke the budget
+        self._fitted = False  #: a window recorded every step within the budget (after the warm-up)
         self.draining = draining
         self._drained = False  #: every step recorded because of a drain notice (until it is withdrawn)
 
@@ -363,6 +367,7 @@ class BudgetPolicy:
             return
         if self.mode == "every_step":
             fits = self.step_cost is None or self.step_cost <= allowed
+            self._fitted = self._fitted or w.cost_s <= allowed
             if fits or not w.cost_s > allowed:   # (over on average only: a pause fading out of the average)
                 self._over = 0
                 cost = self.step_cost or w.cost_s
@@ -372,7 +377,8 @@ class BudgetPolicy:
                                f"window of a {_ms(self.base_s)} step: measuring another")
                 return
             self._over += 1
-            if self._over < OVER_WINDOWS:   # one window may hold a pause of the whole process (a GC, a swap-in)
+            far = not self._fitted and w.cost_s > FAR_OVER * allowed and self.step_cost > FAR_OVER * allowed
+            if self._over < OVER_WINDOWS and not far:   # one window may hold a pause of the whole process (a GC, a swap-in)
                 self.reason = (f"every step costs {_ms(self.step_cost)} of a {_ms(self.base_s)} step, over the "
                                f"budget in {self._over} window: measuring another")
                 return
