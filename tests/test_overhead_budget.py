@@ -454,6 +454,13 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
         ck.close()
         gran = st["granularity"]
         assert gran["mode"] in ("every_k", "fulls_only") and 2 <= gran["k"] <= 40, gran
+        # the every-k fulls are coarse recovery points: written, neither copied to a peer nor fed to the replica
+        # (the only peer copies are of the recorded steps' chunks and the fulls that records follow)
+        rt = st["runtime"]
+        coarse = [mm for mm in load_lineage(open_storage(uri))[0].manifests
+                  if mm.kind == "full" and mm.info.get("records_follow") is False]
+        assert len(coarse) >= 2, [mm.info for mm in load_lineage(open_storage(uri))[0].manifests]
+        assert rt["replica"]["step"] < min(mm.last_step for mm in coarse), rt["replica"]
         assert gran["lost_work_steps"] == gran["k"]
         lineage, _ = load_lineage(open_storage(uri))
         gen = lineage.generations[-1]

@@ -474,9 +474,15 @@ class CaptureBase:
             full = None
             if decision.full:
                 full = self._snapshot(rec.step, dict(rec.loop), rec)
+                info = {}
                 if gap_from < rec.step:   # steps left unrecorded before this full (and this step's record)
-                    full.manifest_info = {"unrecorded_from": gap_from,
-                                          "recovery_every": int(getattr(self.policy, "k", 1))}
+                    info = {"unrecorded_from": gap_from, "recovery_every": int(getattr(self.policy, "k", 1))}
+                if not getattr(self.policy, "recording", True):
+                    # no record follows this full (the overhead budget's every-k mode): a coarse recovery point
+                    # that the runtime only writes (no peer copy, no state-tier replica: see PersistenceWorker)
+                    info["records_follow"] = False
+                if info:
+                    full.manifest_info = info
             rec.ready = self._copy.event()
             if record:
                 self.sink.submit(rec, close_batch=decision.close_batch)

@@ -7,7 +7,10 @@ training process) — and its manifest. The worker
 1. ``ray.put``s the chunk's buffers itself (objects put by a training worker die with it): the chunk is held in
    this node's object store, the *memory tier*;
 2. replicates it to a peer node's worker (:meth:`hold_replica`) and forwards it to the run's state-tier replica
-   (:mod:`ray_ckpt.runtime.replica`), both asynchronously;
+   (:mod:`ray_ckpt.runtime.replica`), both asynchronously — except a *coarse* full (``records_follow: false`` in
+   its manifest info: the overhead budget's every-k mode, where no record follows a full), which is only written:
+   the replica would rebuild itself from it for no record to replay, and the peer copy would cost the node a
+   transfer of the whole state for the moments until the write is done;
 3. writes it to durable storage from a background thread: consecutive diff chunks are laid end to end into one
    object of about ``batch_steps`` steps (segments, :mod:`ray_ckpt.format.segments`: no decode, no re-encode,
    the checksum combined from the chunks'), fulls as they are; each commit is reported.
@@ -237,12 +240,15 @@ class PersistenceWorker:
         ref = ray.put(bufs)  # this actor owns the copy (ray.put's _owner is gone since Ray 2.56)
         self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)
         self._report(("held", m, None, self.node_id))   # no object ref: a plan asks the holders (holder_refs)
-        peer, peer_node = self._peer() if replicate else (None, "")
+        # a coarse full (no record follows it: the overhead budget's every-k mode) is safe once written: no peer
+        # copy and no state-tier replica, whose rebuild from it would serve no record (the restore reads it)
+        coarse = m.kind == "full" and m.info.get("records_follow") is False
+        peer, peer_node = self._peer() if replicate and not coarse else (None, "")
         if peer is not None:
             call = peer.hold_replica.remote(m.to_json(), [ref], self.node_id)
             with self._cv:
                 self._replica_calls[call] = (m.name, peer_node)
-        replica = self._replica()
+        replica = None if coarse else self._replica()
         if replica is not None:
             replica.feed.remote(m.to_json(), [ref])
         with self._cv:
