@@ -49,6 +49,7 @@ def test_budget_policy_chooses_the_granularity_from_measured_windows():
     k = p.k
     assert [p.decide(_ctx(51 + i, 51)).full for i in range(1, k + 1)] == [False] * (k - 1) + [True]
     assert not p.decide(_ctx(60, 51)).record
+    p.observe(_w(0.05, recorded=False))     # the window after the switch (the last records' hand-off): not a full's
     # the fulls turn out cheap and the unrecorded steps cheaper: k follows the measured cost of a full
     p.observe(_w(0.05, recorded=False, fulls=2, snapshot_ms=1.0))
     assert p.full_cost is not None and p.fixed_cost is not None
@@ -83,6 +84,33 @@ def test_a_first_measurement_far_over_the_budget_leaves_every_step_at_once():
     assert r.mode == "every_step"
 
 
+def _win(other_ms: float, *, fulls=0, snapshot_ms=0.0, steps=10, recorded=False, step_ms=10.0) -> Window:
+    return Window(steps=steps, step_s=step_ms / 1e3, capture_s=0.1e-3 + snapshot_ms / 1e3 / steps, optimizer_s=1e-3,
+                  stall_s=0.0, other_cpu_s=other_ms / 1e3, fulls=fulls, snapshot_s=snapshot_ms / 1e3, bytes=1e6,
+                  recorded=recorded, capture_cpu_s=0.1e-3 + snapshot_ms / 1e3 / steps)
+
+
+def test_a_fulls_cost_is_its_own_not_the_background_threads_idle_or_the_switch_tail():
+    """What a full costs is measured from the unrecorded windows: not the hand-off of the last recorded steps that
+    runs on after the switch (nor the attach full's, in the warm-up window), and not the background thread's CPU
+    that every window has whatever k is (that is a per-step cost); otherwise a long interval, whose fulls seem
+    dearer by the idle CPU of all its windows, shortens itself window after window."""
+    p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000)
+    p.hint_full(0.01, 40e6)
+    p.observe(_win(0.0, recorded=True))                 # warm-up
+    for _ in range(2):
+        p.observe(_win(5.0, recorded=True, step_ms=15.0))   # every step: 5 ms of background CPU, far over budget
+    assert p.mode != "every_step"
+    p.decide(_ctx(30, 0))                               # the last recorded step
+    p.observe(_win(30.0))                               # the tail: 300 ms of hand-off of the recorded steps
+    assert p.full_cost is None
+    for _ in range(3):                                  # quiet windows: 0.2 ms per step of polls
+        p.observe(_win(0.2))
+    p.observe(_win(0.2 + 2.0, fulls=1, snapshot_ms=10.0))   # a full: 10 ms snapshot + 20 ms hand-off
+    assert p.full_cost == pytest.approx(0.030, rel=1e-6), p.report()
+    assert p.fixed_cost == pytest.approx(0.1e-3 + 0.2e-3, rel=0.3), p.report()
+
+
 def test_the_budget_outranks_the_cost_models_full_interval():
     """A full costs so much that only an interval longer than the cost model's (every 20 steps) keeps the budget:
     the policy takes that longer interval and says why, instead of staying at 20 steps over the budget."""
@@ -110,6 +138,7 @@ def test_a_budget_no_granularity_meets_falls_back_to_the_cost_models_fulls():
         p.observe(_w(3.0))                                   # every step: 3 ms of a 7 ms step
     assert p.mode in ("every_k", "fulls_only") and p.k <= 100
     p.decide(_ctx(51, 0))
+    p.observe(_w(2.0, recorded=False))                           # (the switch's tail: not a full's cost)
     p.observe(_w(2.0, recorded=False, fulls=1, snapshot_ms=1.0))   # unrecorded steps alone: 2 ms of an 8 ms step
     assert (p.mode, p.k, p.lost_work_steps) == ("fulls_only", 100, 100), p.report()
     assert "cannot be met" in p.reason and "100 steps" in p.reason
@@ -197,6 +226,18 @@ def test_a_drain_notice_records_every_step_until_it_is_withdrawn():
     p.observe(_w(3.0))
     p.observe(_w(3.0))
     assert p.mode in ("every_k", "fulls_only")
+    # the granularity from before a notice is what the next attempt resumes, and what a withdrawn notice restores
+    d = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000, draining=lambda: notice["on"])
+    notice["on"] = False
+    assert d.resume(state) and (d.mode, d.k) == ("every_k", 20)
+    notice["on"] = True
+    assert d.needs_state(101, 100) and d.decide(_ctx(101, 100)).full and d.recording
+    assert (d.state()["mode"], d.state()["k"]) == ("every_k", 20)          # not every_step: resumed after the drain
+    notice["on"] = False
+    d.needs_state(102, 101)
+    assert (d.mode, d.k) == ("every_k", 20) and "withdrawn" in d.reason
+    assert d.decide(_ctx(102, 101)).record and not d.recording             # the last record, then unrecorded
+    assert not d.decide(_ctx(103, 101)).record
     # a notice while the switch away from every_step is pending cancels it
     q = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, max_k=10_000, draining=lambda: notice["on"])
     for _ in range(3):

@@ -211,6 +211,11 @@ class BudgetPolicy:
         self.mtbf_s: float | None = None
         self._over = 0        #: consecutive windows whose every-step cost broke the budget
         self._fitted = False  #: a window recorded every step within the budget (after the warm-up)
+        self._tail = False    #: the next unrecorded window follows a switch away from every_step
+        self._quiet = False   #: the latest unrecorded window held no full
+        #: the background thread's CPU per step while no full is handed over (seconds; its polls and reports)
+        self._idle_other: float | None = None
+        self._pre_drain: tuple | None = None   #: (mode, k) when a drain notice came
         self.draining = draining
         self._drained = False  #: every step recorded because of a drain notice (until it is withdrawn)
 
@@ -231,7 +236,9 @@ class BudgetPolicy:
     def state(self) -> dict:
         """What the next attempt of this run starts from (:meth:`resume`): the granularity in force and the costs
         it was chosen on (JSON-able, small). Any thread."""
-        return {"mode": self.mode, "k": self.k, "budget": self.budget, "step_cost": self.step_cost,
+        mode, k = self._pre_drain if self._drained and self._pre_drain is not None else (self.mode, self.k)
+        # (under a drain notice: the granularity measured before it, which the attempt after the drain resumes)
+        return {"mode": mode, "k": k, "budget": self.budget, "step_cost": self.step_cost,
                 "full_cost": self.full_cost, "fixed_cost": self.fixed_cost, "base_s": self.base_s}
 
     def resume(self, state: dict | None) -> bool:
@@ -319,12 +326,21 @@ class BudgetPolicy:
 
     def _drain_changed(self) -> None:
         """A drain notice came (every step is recorded from this step on: a full of it, then its successors'
-        records) or went (the budget decides again at its next window). Training thread."""
+        records; :meth:`state` keeps the granularity from before it, which the attempt after the drain resumes) or
+        went (that granularity again, or, when every step was recorded before, the budget's next windows).
+        Training thread."""
         self._drained = not self._drained
         if not self._drained:
             self._over = 0
-            self.reason = "drain notice withdrawn: every step recorded until the budget measures a window"
+            before, self._pre_drain = self._pre_drain, None
+            if before is not None and before[0] != "every_step" and self.recording:
+                self._switch_to = "every_k"    # back to the interval measured before the notice
+                self._tail = True
+                self._change(before[0], before[1], f"drain notice withdrawn: a full every {before[1]} steps again")
+            else:
+                self.reason = "drain notice withdrawn: every step recorded until the budget measures a window"
             return
+        self._pre_drain = (self.mode, self.k) if self._switch_to != "every_step" else None
         why = "drain notice: this node goes away at a deadline; every step recorded until then (zero loss)"
         if self._switch_to == "every_k":      # about to leave every_step: stays
             self._switch_to = None
@@ -347,10 +363,24 @@ class BudgetPolicy:
                 self.step_cost = w.cost_s if self.step_cost is None else 0.5 * self.step_cost + 0.5 * w.cost_s
             if w.fulls and self.full_cost is None:
                 self._snapshot_hint = w.snapshot_s / w.fulls
+        elif self._seen <= self.warmup or self._tail:
+            # unrecorded, but the background thread still hands over what came before (the attach full, the last
+            # recorded steps): not the cost of this mode's fulls
+            self._tail = False
+            self._quiet = True    # (the next window's background CPU is its own)
         else:            # unrecorded steps: the loop state's capture on every step (fixed), the rest is the fulls'
-            fixed = max(0.0, (w.cost_s - w.other_cpu_s) * w.steps - w.snapshot_s) / w.steps
+            # the background thread's CPU in a window without a full after one without a full either: what it
+            # spends per step whatever k is (its polls and reports), not a full's (counted per step, as fixed)
+            idle_window = w.fulls == 0 and self._quiet
+            if idle_window:
+                self._idle_other = (w.other_cpu_s if self._idle_other is None
+                                    else 0.5 * self._idle_other + 0.5 * w.other_cpu_s)
+            self._quiet = w.fulls == 0
+            idle = self._idle_other or 0.0
+            fixed = max(0.0, (w.cost_s - w.other_cpu_s) * w.steps - w.snapshot_s) / w.steps + idle
             self.fixed_cost = fixed if self.fixed_cost is None else 0.5 * self.fixed_cost + 0.5 * fixed
-            self._k_cost += w.snapshot_s + w.other_cpu_s * w.steps   # (accumulated until a full is seen)
+            # (accumulated until a full is seen; a window after a full's may hold the rest of its hand-off)
+            self._k_cost += w.snapshot_s + (0.0 if idle_window else max(0.0, w.other_cpu_s - idle) * w.steps)
             self._k_fulls += w.fulls
             if self._k_fulls:
                 c = self._k_cost / self._k_fulls
@@ -386,6 +416,7 @@ class BudgetPolicy:
             self._set(k, f"every step costs {_ms(self.step_cost)} of a {_ms(self.base_s)} step "
                          f"({_pct(self.step_cost / self.base_s)} > budget {_pct(self.budget)})")
             self._switch_to = "every_k"
+            self._tail = True     # the next unrecorded window still hands over the last recorded steps
             return
         if self.step_cost is not None and self.step_cost <= RETURN_SHARE * allowed:
             self._switch_to = "every_step"
