@@ -535,6 +535,11 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
     assert g2["mode"] in ("every_k", "fulls_only") and 2 <= g2["k"] <= prev["k"], g2
     assert "previous attempt" in g2["reason"], g2
     assert fulls2 >= 2, fulls2          # the attach full and one k steps later
+    # the resumed attempt's attach full is coarse too (no record follows it)
+    gen2 = load_lineage(open_storage(uri))[0].generations[-1]
+    first2 = [mm for mm in load_lineage(open_storage(uri))[0].manifests
+              if mm.kind == "full" and mm.generation == gen2 and mm.last_step == at]
+    assert first2 and first2[0].info.get("records_follow") is False, [mm.info for mm in first2]
     # recorded steps (before the switch) and the fulls every k steps after it: the oldest, newest and two fulls
     # of the first attempt, and the second attempt's first full (its steps continue the same batches)
     check = set(fulls[-2:]) | set(points[-2:]) | {points[0], at + g2["k"]}
