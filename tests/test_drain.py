@@ -188,14 +188,22 @@ if ray is not None:
         def node(self):
             return ray.get_runtime_context().get_node_id()
 
-        def train(self, progress, max_steps, pause):
+        def train(self, progress, max_steps, pause, other_drain=None):
+            """``other_drain``: ``{"at": step, "node": id, "seconds": s}`` — after that step, the notice Ray Train
+            gives every worker of a group when a node of it drains (here another node; as its watch hands it on)."""
             while self.step < max_steps:
                 T.train_step("mlp", self.model, self.opt, None, self.step)
                 self.step += 1
+                if other_drain is not None and self.step == other_drain["at"]:
+                    self.ck._sink.notice(
+                        {"node": other_drain["node"], "nodes": [other_drain["node"]], "source": "ray_train",
+                         "deadline_ms": int((time.time() + other_drain["seconds"]) * 1000),
+                         "remaining_s": other_drain["seconds"]}, time.monotonic() + other_drain["seconds"])
                 tmp = progress + ".tmp"
                 with open(tmp, "w") as f:
                     json.dump({"step": self.step, "preempted": self.ck.preempted(),
-                               "mode": self.ck.budget.mode, "reason": self.ck.budget.reason}, f)
+                               "mode": self.ck.budget.mode, "reason": self.ck.budget.reason,
+                               "waits": dict(getattr(self.ck._sink, "notice_waits", {}))}, f)
                 os.replace(tmp, progress)
                 time.sleep(pause)
             return self.step
@@ -312,6 +320,45 @@ def test_a_drain_makes_a_budget_that_left_steps_unrecorded_record_every_step(ray
     got = _restore_latest(uri, run, lambda s: ref[s])
     _log(f"removed at step {last}, restored {got}")
     assert last <= got <= last + 1, (got, last)   # 0 lost
+
+
+@pytest.mark.ray
+def test_a_drain_of_another_node_waits_only_until_this_nodes_worker_holds_each_step(ray_cluster, drain_run,
+                                                                                    tmp_path):
+    """A preemption of another node of a Ray Train worker group: Ray Train ends every worker at the deadline, this
+    one too, but this node stays, and what its persistence worker holds outlives the process. So from the notice on
+    each step waits only until that worker holds it (the hand-off's answer), not for a second copy or a write —
+    storage refuses writes here — and the trainer killed at the deadline has lost no step: the latest restores
+    from the memory tier, bitwise. Batches are wide (16 steps, 30 s): without the notice the kill would lose them."""
+    from tests._gated_storage import GatedBackend
+    run = drain_run
+    root, gate = str(tmp_path / "ckpt"), str(tmp_path / "gate")
+    storage = GatedBackend(root, gate)
+    progress = str(tmp_path / "progress.json")
+    node, tr = _trainer_node(ray_cluster, storage, run, full_every=1000, batch_steps=16, handoff_delay=30,
+                             policy="fixed", write_timeout=300)
+    other = next(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != node.node_id)
+    try:
+        open(gate, "w").close()                 # storage takes no write from here on
+        deadline_s = 4.0
+        tr.train.remote(progress, 100_000, 0.02, {"at": 10, "node": other, "seconds": deadline_s})
+        seen = _wait(lambda: (lambda p: p if p.get("preempted") else None)(_progress(progress)), 120,
+                     "the notice at step 10")
+        t_notice = time.time()
+        time.sleep(max(0.0, deadline_s - (time.time() - t_notice) - 0.5))
+        ray.kill(tr)                            # Ray Train ends the worker at the deadline
+        at_kill = _progress(progress)
+        last = at_kill["step"]
+        assert seen["preempted"]["node"] == other and last > 15, at_kill
+        assert at_kill["waits"]["safe"] == 0 and at_kill["waits"]["received"] >= last - 11, at_kill
+        ref = _reference(last + 1)
+        got = _restore_latest(storage, run, lambda s: ref[s])   # from this node's worker: storage refuses writes
+        _log(f"killed at step {last}, restored {got}")
+        assert last <= got <= last + 1, (got, last)   # 0 lost
+    finally:
+        if os.path.exists(gate):
+            os.remove(gate)
+        ray_cluster.remove_node(node)
 
 
 @pytest.mark.ray

@@ -516,6 +516,20 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
         ray.get(coord.record_failure.remote({"decision": "RETRY (test)"}))   # as RayCkptCallback reports one
         time.sleep(2.0)   # the restart: not running time
         prev = ray.get(coord.granularity.remote())
+        # the replica restarted meanwhile (its node lost, say) does not rebuild itself from the lineage while the run
+        # records a full every k steps (no record would follow; a full that records follow resets it)
+        from ray_ckpt.runtime import naming
+        replica = ray.get_actor(naming.replica_name(run), namespace=naming.NAMESPACE)
+        ray.kill(replica, no_restart=False)
+        deadline = time.monotonic() + 60
+        rst = {}
+        while time.monotonic() < deadline and not rst.get("rebuilds_skipped"):
+            try:
+                rst = ray.get(replica.status.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - restarting
+                pass
+            time.sleep(0.2)
+        assert rst.get("rebuilds_skipped") == 1 and rst["rebuilds"] == 0 and rst["step"] is None, rst
         m2, opt2 = _model(width, seed=1)
         at = ray_ckpt.restore(uri, m2, opt2, runtime="ray", run=run)
         ck2 = ray_ckpt.Checkpointer(uri, m2, opt2, runtime="ray", run=run, overhead_budget=0.005,

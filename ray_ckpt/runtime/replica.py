@@ -70,7 +70,7 @@ class ReplicaActor:
         self._rebuild = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self._stats = {"applied_steps": 0, "apply_seconds": 0.0, "fulls_written": 0, "full_seconds": 0.0,
                        "full_bytes_written": 0,
-                       "snapshots": 0, "snapshots_shared": 0, "rebuilds": 0,
+                       "snapshots": 0, "snapshots_shared": 0, "rebuilds": 0, "rebuilds_skipped": 0,
                        # durable_diffs="amber": increments computed from the shadow, written to the Amber tier
                        "amber_increments": 0, "amber_objects": 0, "amber_bytes_written": 0, "amber_seconds": 0.0}
         self._amber: ShadowAmber | None = None
@@ -332,7 +332,21 @@ class ReplicaActor:
         self._coord().update.remote(self.node_id, [("durable", m.to_json(), [m.name])])
 
     def _rebuild_from_lineage(self) -> None:
-        """Newest full + held/durable diffs of the run's latest recoverable step (off the training thread)."""
+        """Newest full + held/durable diffs of the run's latest recoverable step (off the training thread). Not
+        while the run's overhead budget records a full every k steps: no record follows them, and the first full
+        that records follow resets this replica anyway (a rebuild would only read and decode the whole state)."""
+        try:
+            mode = (ray.get(self._coord().granularity.remote(), timeout=60) or {}).get("mode")
+        except Exception as e:  # noqa: BLE001 - a coordinator that cannot tell (a shard host, restarting): rebuild
+            log.debug("ray_ckpt replica: granularity unknown (%s)", e)
+            mode = None
+        if mode in ("every_k", "fulls_only"):
+            with self._cv:
+                self._rebuild = False
+            self._stats["rebuilds_skipped"] += 1
+            log.info("ray_ckpt replica: run %r records a full every k steps: no rebuild until records follow a "
+                     "full", self.run)
+            return
         plan = ray.get(self._coord().plan.remote(None), timeout=60)
         if "error" in plan:
             with self._cv:

@@ -151,6 +151,9 @@ class RaySink(BoundedSink):
         self._incarnation: str | None = None
         self._retired: set[str] = set()   # incarnations of this node's worker seen replaced
         self._unsafe: "collections.OrderedDict[str, _Chunk]" = collections.OrderedDict()
+        self._draining_nodes: set = set()   # the GCS drain state as the coordinator last told it (sender thread)
+        #: steps that waited under a drain notice: until held by this node's worker / until safe
+        self.notice_waits = {"received": 0, "safe": 0}
         self._inflight: collections.deque = collections.deque()   # (answer ref, chunk) of unanswered hand-offs
         self._control = {"want_full": False, "delegate": False}
         self._control_ref = None
@@ -221,7 +224,7 @@ class RaySink(BoundedSink):
                "resent_chunks": self.resent_chunks, "unsafe_chunks": len(self._unsafe),
                "handoff_seconds": self.handoff_seconds, "sender_cpu_seconds": self.sender_cpu_seconds,
                "delegated_fulls": bool(self.replica_enabled and self._control["delegate"]),
-               "control_answers": dict(self.control_asks),
+               "control_answers": dict(self.control_asks), "notice_waits": dict(self.notice_waits),
                "durable_diffs": {"mode": self.durable_choice, "auto": self.auto_durable,
                                  "write_bandwidth": self.write_bw, "reason": self.durable_reason}}
         try:
@@ -280,7 +283,9 @@ class RaySink(BoundedSink):
                         if chunk:
                             self._handoff(chunk)
                             chunk = []
-                        if getattr(item, "safe_only", False):
+                        if getattr(item, "received_only", False):
+                            self._drain_inflight()   # every hand-off answered: held by this node's worker
+                        elif getattr(item, "safe_only", False):
                             self._wait_safe()
                         else:
                             self._flush_worker()
@@ -630,6 +635,7 @@ class RaySink(BoundedSink):
     def _drain_control(self, draining: dict) -> None:
         """Sender thread: the coordinator's view of the draining nodes; a drain of this node becomes the sink's
         notice (every record handed over at once; near the deadline each step waits until it is safe)."""
+        self._draining_nodes = set(draining)
         deadline = draining.get(self.node_id)
         if deadline is None:
             if self._notice is not None and self._notice.get("source") == "node":
@@ -646,8 +652,35 @@ class RaySink(BoundedSink):
 
     def _wait_noticed(self) -> None:
         """Training thread, under a drain notice: return once everything submitted is safe (held on two nodes,
-        the second one staying, or durable)."""
-        self.wait_safe()
+        the second one staying, or durable) — or, when the node that drains is another one (a preemption of a
+        node of the worker group elsewhere: Ray Train ends this process at the deadline, but this node stays),
+        once this node's worker holds it: what it holds outlives this process, as every step's record does
+        between its hand-off and its second copy."""
+        n = self._notice or {}
+        nodes = [x for x in (n.get("nodes") or [n.get("node")]) if x]
+        if nodes and self.node_id not in nodes and self.node_id not in self._draining_nodes:
+            self.notice_waits["received"] += 1
+            self.wait_received()
+        else:
+            self.notice_waits["safe"] += 1
+            self.wait_safe()
+
+    def wait_received(self, timeout: float | None = 300.0) -> None:
+        """Return once everything submitted so far is held by this node's persistence worker (training thread)."""
+        marker = FlushMarker()
+        marker.received_only = True
+        with self._cv:
+            self._raise_if_failed()
+            self._queue.append((marker, 0, True))
+            self._cv.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not marker.done.wait(0.05):
+            with self._cv:
+                self._raise_if_failed()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the steps handed over were not received within {timeout} s")
+        with self._cv:
+            self._raise_if_failed()
 
     def _wait_safe(self) -> None:
         self._drain_inflight()
