@@ -176,8 +176,8 @@ class BudgetPolicy:
     other strategies are only measured. ``max_k``: the longest interval between recovery points.
     ``on_change(report)``: called when the granularity changes (training thread). ``draining()``: whether this
     process's node drains (a preemption notice; O(1), read once per step): from the notice on every step is
-    recorded whatever it costs, so that the steps up to the deadline are recovery points (zero loss); the
-    budget decides again once the notice is withdrawn."""
+    recorded whatever it costs, so that the steps up to the deadline are recovery points (zero loss); a withdrawn
+    notice brings back the granularity from before it."""
 
     def __init__(self, inner, budget: float, *, granular: bool = True, max_k: int = 10_000, warmup: int = 1,
                  on_change=None, draining=None):
@@ -408,7 +408,7 @@ class BudgetPolicy:
                 return
             self._over += 1
             far = not self._fitted and w.cost_s > FAR_OVER * allowed and self.step_cost > FAR_OVER * allowed
-            if self._over < OVER_WINDOWS and not far:   # one window may hold a pause of the whole process (a GC, a swap-in)
+            if self._over < OVER_WINDOWS and not far:   # one window may hold a pause of the whole process
                 self.reason = (f"every step costs {_ms(self.step_cost)} of a {_ms(self.base_s)} step, over the "
                                f"budget in {self._over} window: measuring another")
                 return

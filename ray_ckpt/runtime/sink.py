@@ -203,16 +203,27 @@ class RaySink(BoundedSink):
         """Return once everything submitted so far is held on two nodes or durable (training thread)."""
         marker = FlushMarker()
         marker.safe_only = True
+        self._wait_marker(marker, timeout, 0.1, "the attach checkpoint was not secured")
+
+    def wait_received(self, timeout: float | None = 300.0) -> None:
+        """Return once everything submitted so far is held by this node's persistence worker (training thread)."""
+        marker = FlushMarker()
+        marker.received_only = True
+        self._wait_marker(marker, timeout, 0.05, "the steps handed over were not received")
+
+    def _wait_marker(self, marker: FlushMarker, timeout: float | None, poll: float, what: str) -> None:
+        """Queue ``marker`` behind everything submitted and wait until the sender thread has handled it (training
+        thread); the sender's failure is raised here."""
         with self._cv:
             self._raise_if_failed()
             self._queue.append((marker, 0, True))
             self._cv.notify_all()
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not marker.done.wait(0.1):
+        while not marker.done.wait(poll):
             with self._cv:
                 self._raise_if_failed()
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the attach checkpoint was not secured within {timeout} s")
+                raise TimeoutError(f"{what} within {timeout} s")
         with self._cv:
             self._raise_if_failed()
 
@@ -664,23 +675,6 @@ class RaySink(BoundedSink):
         else:
             self.notice_waits["safe"] += 1
             self.wait_safe()
-
-    def wait_received(self, timeout: float | None = 300.0) -> None:
-        """Return once everything submitted so far is held by this node's persistence worker (training thread)."""
-        marker = FlushMarker()
-        marker.received_only = True
-        with self._cv:
-            self._raise_if_failed()
-            self._queue.append((marker, 0, True))
-            self._cv.notify_all()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not marker.done.wait(0.05):
-            with self._cv:
-                self._raise_if_failed()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the steps handed over were not received within {timeout} s")
-        with self._cv:
-            self._raise_if_failed()
 
     def _wait_safe(self) -> None:
         self._drain_inflight()
