@@ -157,9 +157,7 @@ class Checkpointer:
             self._capture.meter = _meter(self._sink, self._on_window)
             if self.runtime is Runtime.RAY:   # the sender publishes the capture's Ray metrics
                 self._sink.attach_capture(self._capture, start_step)
-            full = self._capture.snapshot_now()
-            if not policy.recording:   # resumed in the every-k mode: no record follows this full either
-                full.manifest_info = {**(getattr(full, "manifest_info", None) or {}), "records_follow": False}
+            full = self._capture.snapshot_now()   # (coarse when resumed in the every-k mode)
             policy.hint_full(self._capture.last_snapshot_seconds or 0.0, full.nbytes)
             self._sink.submit(full)
             t2 = time.perf_counter()

@@ -477,12 +477,7 @@ class CaptureBase:
                 info = {}
                 if gap_from < rec.step:   # steps left unrecorded before this full (and this step's record)
                     info = {"unrecorded_from": gap_from, "recovery_every": int(getattr(self.policy, "k", 1))}
-                if not getattr(self.policy, "recording", True):
-                    # no record follows this full (the overhead budget's every-k mode): a coarse recovery point
-                    # that the runtime only writes (no peer copy, no state-tier replica: see PersistenceWorker)
-                    info["records_follow"] = False
-                if info:
-                    full.manifest_info = info
+                self._mark_coarse(full, info)
             rec.ready = self._copy.event()
             if record:
                 self.sink.submit(rec, close_batch=decision.close_batch)
@@ -545,8 +540,18 @@ class CaptureBase:
         """A full snapshot of the current state (attach time). Training thread."""
         with self._lock:
             full = self._snapshot(self.step, self._attach_loop())
+            self._mark_coarse(full, {})
             full.ready = self._copy.event()
             return full
+
+    def _mark_coarse(self, full: FullState, info: dict) -> None:
+        """Give ``full`` its manifest ``info``, with ``records_follow: False`` when no record follows it (the
+        overhead budget's every-k mode): a coarse recovery point that the runtime only writes (no peer copy, no
+        state-tier replica: see PersistenceWorker). Training thread, under the lock."""
+        if not getattr(self.policy, "recording", True):
+            info = {**info, "records_follow": False}
+        if info:
+            full.manifest_info = info
 
     def flush_pending(self) -> None:
         """Finalize a pending record now (flush/close); when the overhead budget left the latest steps
