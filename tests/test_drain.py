@@ -125,6 +125,46 @@ def test_a_notice_makes_the_local_writer_write_every_step_and_wait_near_the_dead
     T.assert_same(ref[10], T.snapshot(m, o), "step 10")
 
 
+def test_under_a_short_deadline_steps_wait_only_within_a_margin_measured_from_the_first_wait(tmp_path):
+    """A notice with a deadline inside SYNC_BEFORE_DEADLINE_S: the first step after it waits until it is safe
+    (measuring the wait), the next ones are only handed over at once until the margin (a few such waits, at
+    least SYNC_MIN_S) before the deadline, from where each waits again; every step restores bitwise."""
+    uri = str(tmp_path / "ckpt")
+    ref = _reference(14)
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    ck = ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, batch_steps=50, policy="fixed")
+    sink = ck._sink
+    for s in range(3):
+        T.train_step("mlp", model, opt, None, s)
+    deadline = time.monotonic() + writer_mod.SYNC_BEFORE_DEADLINE_S - 2.0
+    sink.notice({"node": "n", "deadline_ms": 1, "remaining_s": 8.0}, deadline)
+    assert sink.sync_margin() == writer_mod.SYNC_BEFORE_DEADLINE_S   # nothing measured yet
+    T.train_step("mlp", model, opt, None, 3)
+    assert sink.stats.notice_syncs == 1 and ck.last_committed_step == 4   # the first step waited
+    margin = sink.sync_margin()
+    assert writer_mod.SYNC_MIN_S <= margin == max(writer_mod.SYNC_MIN_S,
+                                                  writer_mod.SYNC_WAIT_FACTOR * sink.stats.notice_sync_seconds)
+    early = 0
+    for s in range(4, 8):
+        before = time.monotonic() < deadline - margin
+        T.train_step("mlp", model, opt, None, s)
+        early += before
+    assert early >= 1, "the steps took the whole notice; nothing left to check"
+    assert sink.stats.notice_syncs == 1 + (4 - early)   # steps before the margin did not wait
+    _wait(lambda: ck.last_committed_step == 8, 30, "the steps handed over at once to be written")
+    sink.notice({"node": "n", "deadline_ms": 1, "remaining_s": 0.5}, time.monotonic() + 0.5)
+    for s in range(8, 11):   # a new notice measures again; its deadline is inside any margin: every step waits
+        T.train_step("mlp", model, opt, None, s)
+        assert ck.last_committed_step == s + 1
+    ck.close()
+    for step in (4, 8, 11):
+        m = T.make_model("mlp", seed=5)
+        o = T.make_optimizer("adamw", m)
+        assert ray_ckpt.restore(uri, m, o, step=step) == step
+        T.assert_same(ref[step], T.snapshot(m, o), f"step {step}")
+
+
 def test_a_ray_train_group_preemption_reaches_every_ranks_writer(tmp_path, monkeypatch):
     """A sink watch turns Ray Train's worker-local preemption info (any node of the group) into the sink's notice
     and withdraws it when the info is gone; a node drain seen in the GCS does too (runtime="local"). No Ray is
@@ -326,8 +366,9 @@ def test_a_drain_makes_a_budget_that_left_steps_unrecorded_record_every_step(ray
 def test_a_drain_of_another_node_waits_only_until_this_nodes_worker_holds_each_step(ray_cluster, drain_run,
                                                                                     tmp_path):
     """A preemption of another node of a Ray Train worker group: Ray Train ends every worker at the deadline, this
-    one too, but this node stays, and what its persistence worker holds outlives the process. So from the notice on
-    each step waits only until that worker holds it (the hand-off's answer), not for a second copy or a write —
+    one too, but this node stays, and what its persistence worker holds outlives the process. So a step that waits
+    under the notice (the first after it, those near the deadline) waits only until that worker holds it (the
+    hand-off's answer), not for a second copy or a write —
     storage refuses writes here — and the trainer killed at the deadline has lost no step: the latest restores
     from the memory tier, bitwise. Batches are wide (16 steps, 30 s): without the notice the kill would lose them."""
     from tests._gated_storage import GatedBackend
@@ -350,7 +391,9 @@ def test_a_drain_of_another_node_waits_only_until_this_nodes_worker_holds_each_s
         at_kill = _progress(progress)
         last = at_kill["step"]
         assert seen["preempted"]["node"] == other and last > 15, at_kill
-        assert at_kill["waits"]["safe"] == 0 and at_kill["waits"]["received"] >= last - 11, at_kill
+        # the first step after the notice and those within the margin before the deadline waited, each only
+        # for this node's worker (the margin itself: test_under_a_short_deadline_steps_wait_only_within_a_margin...)
+        assert at_kill["waits"]["safe"] == 0 and at_kill["waits"]["received"] >= 2, at_kill
         ref = _reference(last + 1)
         got = _restore_latest(storage, run, lambda s: ref[s])   # from this node's worker: storage refuses writes
         _log(f"killed at step {last}, restored {got}")

@@ -35,9 +35,12 @@ from ray_ckpt.engine.lease import LeaseLost
 log = logging.getLogger("ray_ckpt")
 
 
-#: a drain notice (the node goes away at a deadline): within this many seconds of the deadline, and from the notice
-#: on when it names none, a step returns to the training loop only once it is safe (see BoundedSink.notice)
+#: a drain notice (the node goes away at a deadline): at most this many seconds before the deadline, and from the
+#: notice on when it names none, a step returns to the training loop only once it is safe (see BoundedSink.notice)
 SYNC_BEFORE_DEADLINE_S = 10.0
+#: ... and at least this many; in between, SYNC_WAIT_FACTOR times the longest wait for safety seen under the notice
+SYNC_MIN_S = 1.0
+SYNC_WAIT_FACTOR = 4.0
 
 
 class WriterError(RuntimeError):
@@ -57,6 +60,8 @@ class WriterStats:
     objects_deleted: int = 0            #: garbage-collected by ``keep_fulls`` (runtime="local")
     write_seconds: float = 0.0
     encode_seconds: float = 0.0
+    notice_syncs: int = 0               #: steps that waited until they were safe under a drain notice
+    notice_sync_seconds: float = 0.0    #: ... and how long the training thread waited for them
 
 
 @dataclass
@@ -93,6 +98,7 @@ class BoundedSink:
         self._closing = False
         self._notice: dict | None = None          # a drain notice for this node (see notice)
         self._notice_deadline: float | None = None
+        self._notice_wait_s: float | None = None  # the longest wait for safety under the notice (None: none yet)
         self._cpu_clock: int | None = None       # the background thread's CPU clock (where the platform has one)
         self._cpu_clock_failed = False
         self._cpu_seen = 0.0
@@ -153,22 +159,32 @@ class BoundedSink:
             self._queue.append((item, size, close_batch))
             self._cv.notify_all()
         if self._notice is not None and self._sync_due():
+            notice, t0 = self._notice, time.perf_counter()
             self._wait_noticed()
+            took = time.perf_counter() - t0
+            self.stats.notice_syncs += 1
+            self.stats.notice_sync_seconds += took
+            if self._notice is notice:   # not a later notice's: it measures its own
+                self._notice_wait_s = max(self._notice_wait_s or 0.0, took)
 
     # -- drain notices ---------------------------------------------------------------------------------------
     def notice(self, info: dict | None, deadline: float | None = None) -> None:
         """This process's node drains (Ray will remove it; ``deadline`` on the monotonic clock, None: none given;
         ``info`` is what :attr:`noticed` returns) or, with ``info=None``, no longer does. Any thread.
 
-        From the notice on, the background thread hands every step over at once instead of batching it; within
-        :data:`SYNC_BEFORE_DEADLINE_S` of the deadline (from the notice on without one), :meth:`submit` also
-        waits until the step is safe (:meth:`_wait_noticed`), so that a process killed at the deadline has lost
-        no step it captured. What that costs the training thread is one write (or hand-off) per step, only then."""
+        From the notice on, the background thread hands every step over at once instead of batching it; the first
+        step submitted after the notice, and every step within :meth:`sync_margin` of the deadline (from the
+        notice on without one), also waits in :meth:`submit` until it is safe (:meth:`_wait_noticed`), so that a
+        process killed at the deadline has lost no step it captured. What that costs the training thread is one
+        write (or hand-off) per step, only then: the margin is :data:`SYNC_WAIT_FACTOR` times the longest such
+        wait (the first one measures it), within [:data:`SYNC_MIN_S`, :data:`SYNC_BEFORE_DEADLINE_S`], so a
+        short deadline is not spent waiting on every step while the pipeline would have emptied in time."""
         with self._cv:
             if info is None:
                 self._notice, self._notice_deadline = None, None
             else:
                 self._notice, self._notice_deadline = dict(info), deadline
+            self._notice_wait_s = None
             self._cv.notify_all()
 
     @property
@@ -187,9 +203,19 @@ class BoundedSink:
         """Whether a drain notice is in force (O(1), no copy: the overhead budget reads it every step)."""
         return self._notice is not None
 
+    def sync_margin(self) -> float:
+        """Seconds before a notice's deadline from which every step waits until it is safe (the longest while no
+        wait has been measured under the notice). Any thread."""
+        w = self._notice_wait_s
+        if w is None:
+            return SYNC_BEFORE_DEADLINE_S
+        return min(SYNC_BEFORE_DEADLINE_S, max(SYNC_MIN_S, SYNC_WAIT_FACTOR * w))
+
     def _sync_due(self) -> bool:
         d = self._notice_deadline
-        return d is None or time.monotonic() >= d - SYNC_BEFORE_DEADLINE_S
+        if d is None or self._notice_wait_s is None:
+            return True
+        return time.monotonic() >= d - self.sync_margin()
 
     def _wait_noticed(self) -> None:
         """Training thread, under a drain notice: return once everything submitted is safe. Here: written."""

@@ -13,8 +13,8 @@ from the user:
   node, and records the drain (:mod:`ray_ckpt.lineage.drains`, shown by ``ray-ckpt ls``);
 * the training process hears of its own node's drain through the coordinator's control answer (runtime="ray")
   or a :class:`NodeWatch` of its own (runtime="local" in a process connected to Ray); its sink then hands every
-  step over at once and, within :data:`SYNC_BEFORE_DEADLINE_S` of the deadline, returns from a step only once it
-  is safe (:meth:`ray_ckpt.engine.writer.BoundedSink.notice`).
+  step over at once and, near the deadline (a margin of a few times the measured wait for safety, 1-10 s),
+  returns from a step only once it is safe (:meth:`ray_ckpt.engine.writer.BoundedSink.notice`).
 
 Nothing here calls ``ray.train.get_preemption_info()``: that call is a barrier across the worker group.
 """
@@ -181,11 +181,10 @@ class SinkWatch:
             try:
                 info = self._current()
                 if info is not None and self.sink.noticed is None:
-                    log.warning("ray_ckpt: %s: from now on every step is handed over at once, and within %g s "
-                                "of the deadline each step waits until it is safe",
+                    log.warning("ray_ckpt: %s: from now on every step is handed over at once, and near the "
+                                "deadline each step waits until it is safe",
                                 f"node {info['node'][:12]} of this worker group drains (Ray Train preemption)"
-                                if info["source"] == "ray_train" else f"this node ({self.node_id[:12]}) drains",
-                                SYNC_S())
+                                if info["source"] == "ray_train" else f"this node ({self.node_id[:12]}) drains")
                     self._mine = True
                     self.sink.notice(info, deadline_monotonic(info["deadline_ms"] or 0))
                 elif info is None and self._mine and self.sink.noticed is not None:
@@ -194,11 +193,6 @@ class SinkWatch:
                     self.sink.notice(None)
             except Exception as e:  # noqa: BLE001 - the watch survives; the next poll retries
                 log.warning("ray_ckpt: drain watch failed: %s", e)
-
-
-def SYNC_S() -> float:  # noqa: N802 - the engine's constant, read late (tests may change it)
-    from ray_ckpt.engine.writer import SYNC_BEFORE_DEADLINE_S
-    return SYNC_BEFORE_DEADLINE_S
 
 
 def watch_sink(sink, *, node: bool) -> SinkWatch | None:

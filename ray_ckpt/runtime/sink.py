@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
-from ray_ckpt.engine.writer import SYNC_BEFORE_DEADLINE_S, BoundedSink, FlushMarker, WriterError
+from ray_ckpt.engine.writer import BoundedSink, FlushMarker, WriterError
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format import segments
 from ray_ckpt.format.records import FullState
@@ -655,10 +655,9 @@ class RaySink(BoundedSink):
             return
         if self._notice is None:
             info = dict(drain_watch.notice_info(self.node_id, deadline), source="node")
-            log.warning("ray_ckpt: this node (%s) is draining%s: every step is handed over at once, and within "
-                        "%g s of the deadline each step waits until it is held on a node that stays",
-                        self.node_id[:12], "" if not deadline else f" (deadline in {info['remaining_s']:.1f} s)",
-                        SYNC_BEFORE_DEADLINE_S)
+            log.warning("ray_ckpt: this node (%s) is draining%s: every step is handed over at once, and near "
+                        "the deadline each step waits until it is held on a node that stays",
+                        self.node_id[:12], "" if not deadline else f" (deadline in {info['remaining_s']:.1f} s)")
             self.notice(info, drain_watch.deadline_monotonic(deadline))
 
     def _wait_noticed(self) -> None:
