@@ -1,8 +1,8 @@
 """The attach full after a restore (runtime="ray"): it restates a step the lineage already holds on two nodes or
 durably, so the Checkpointer no longer waits for it to be secured (a restart of a Ray Train group starts training
 that much sooner), and a crash before it is secured still restores that step, bitwise, from the earlier
-generation. Any other attach (a fresh run, a start step that is not the restored one) still returns only once its
-full is held on two nodes.
+generation. A fresh run's attach waits until its node's worker holds the full (as each step's record); any other
+attach (a start step that is not the restored one) still returns only once its full is held on two nodes.
 
 The attach full's hand-off to the node's persistence worker is held back by a gate (the sender thread waits in
 ``RaySink._handoff``), standing for a full not yet handed over or not yet copied to a second node when the
@@ -136,3 +136,37 @@ def test_an_attach_at_another_step_than_the_restored_one_waits_for_its_full(run_
     assert ray_ckpt.restore(uri, model, opt, scheduler=sch, runtime="ray", run=run) == 4
     T.train_step("mlp", model, opt, sch, 4)   # step 5: a state the lineage does not hold
     _attach_waiting(gate, events, uri, model, opt, scheduler=sch, run=run, start_step=5).close()
+
+
+def test_a_fresh_runs_attach_waits_only_until_its_nodes_worker_holds_its_full(run_env, monkeypatch):
+    """A run's first state (step 0, a lineage holding nothing) is waited for as each step's record is: until this
+    node's persistence worker holds it (its second copy follows in the background); an attach of a later
+    generation at a step no restore installed still waits until its full is held on two nodes."""
+    run, uri = run_env
+    calls = []
+
+    def spy(name):
+        original = getattr(RaySink, name)
+
+        def wait(self, *args, **kwargs):
+            calls.append(name)
+            return original(self, *args, **kwargs)
+        return wait
+
+    for name in ("wait_safe", "wait_received"):
+        monkeypatch.setattr(RaySink, name, spy(name))
+    model, opt, sch = _objects()
+    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, **CFG)
+    assert calls == ["wait_received"] and ck.generation == 1
+    for s in range(4):
+        T.train_step("mlp", model, opt, sch, s)
+    ck.close()
+    m, o, sc = _objects(seed=9)
+    assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run, step=0) == 0
+    T.assert_same(_reference(0), T.snapshot(m, o, sc), "the fresh run's attach full")
+    calls.clear()
+    assert ray_ckpt.restore(uri, model, opt, scheduler=sch, runtime="ray", run=run) == 4
+    T.train_step("mlp", model, opt, sch, 4)   # step 5: a state the lineage does not hold
+    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, start_step=5, **CFG)
+    assert calls == ["wait_safe"] and ck.generation == 2
+    ck.close()

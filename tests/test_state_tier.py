@@ -74,7 +74,7 @@ def run_env(tmp_path, ray_cluster):  # noqa: F811
 def test_replica_writes_the_fulls_and_restores_the_latest_step_with_zero_replay(run_env):
     run, uri = run_env
     ref = T.reference_states(50)
-    model, opt, sch = T.make_model("mlp"), None, None
+    model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=10,
@@ -220,7 +220,9 @@ def test_removed_trainer_node_restores_latest_from_the_replica_with_zero_replay(
 
 def test_a_new_replica_that_lands_on_the_trainers_node_is_placed_again(run_env, monkeypatch, caplog):
     """Soft node affinity can fall back to the trainer's own node although a peer is alive (CI saw it): the
-    attach re-places a replica it has just created; an existing one is never moved."""
+    attach does not wait for the replica's process; a daemon thread finds where it runs, re-places a replica the
+    attach has just created, and the coordinator asks the trainer for a full for the new one to start from (the
+    latest step then restores from it with zero replay). An existing replica is never moved."""
     from ray_ckpt.runtime import client
     run, uri = run_env
     me = ray.get_runtime_context().get_node_id()
@@ -232,13 +234,36 @@ def test_a_new_replica_that_lands_on_the_trainers_node_is_placed_again(run_env, 
         return targets[-1]
 
     monkeypatch.setattr(client, "_replica_node", first_here_then_peer)
-    storage = open_storage(uri)
-    client.get_or_create_coordinator(run, storage, full_every=10, batch_steps=4)
+    n = 60
+    ref = T.reference_states(n)
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    sch = T.make_scheduler(opt)
+
+    def replica_ok():
+        r = ray.get(_coord(run).status.remote())["replica"]
+        return r is not None and r["ok"]
+
     with caplog.at_level(logging.INFO, logger="ray_ckpt"):
-        replica = client._place_replica(run, storage, full_every=10, max_lag=64)
+        ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=1000,
+                                   batch_steps=4, policy="fixed")
+        for s in range(n):   # steps go on while the thread re-places the replica and the full is asked for
+            T.train_step("mlp", model, opt, sch, s)
+            if s < n - 1 and not replica_ok():
+                time.sleep(0.25)
+        ck.flush()
+        _wait_replica_at(run, n, timeout=120)
+    replica = ray.get_actor(naming.replica_name(run), namespace=naming.NAMESPACE)
     where = ray.get(replica.ping.remote())
     assert len(targets) == 2 and targets[0] == me and where == targets[1] != me, (targets, where)
     assert "placing it again" in caplog.text and "runs on the trainer's node" not in caplog.text
+    fulls = [m.last_step for m in load_lineage(open_storage(uri), strict=False)[0].manifests if m.kind == "full"]
+    assert len(fulls) >= 2 and 0 < max(fulls) < 1000, fulls   # the requested full, beyond the attach full
+    chain, tiers = load_via_coordinator(open_storage(uri), None, run=run)
+    assert chain.step == n and tiers["replica"] == 1 and tiers["replayed"] == 0
+    _assert_restores(uri, run, ref, [n])
+    ck.close()
+    storage = open_storage(uri)
     # an existing replica stays where it is, with a WARNING when that is this node
     monkeypatch.setattr(client, "_replica_node", lambda: me)
     again = client._place_replica(run, storage, full_every=10, max_lag=64)

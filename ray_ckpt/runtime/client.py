@@ -73,11 +73,12 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict, takeover:
     # this node's persistence worker starts now, its process in parallel with the replica's (RaySink finds it
     # by name and waits for it); each actor start is a new process that imports its modules (seconds)
     start_node_worker(run, storage, config)
-    replica = None
-    if config.replica and impl.name == "lowdiff":
-        replica = _place_replica(run, storage, full_every=policy.full_every, max_lag=config.max_replica_lag)
+    replica = config.replica and impl.name == "lowdiff"
+    if replica:
+        _start_replica(run, storage, coord, generation, full_every=policy.full_every,
+                       max_lag=config.max_replica_lag)
     clock.mark("replica")
-    sink = RaySink(run, storage, impl, generation, config=config, info=info, replica=replica is not None)
+    sink = RaySink(run, storage, impl, generation, config=config, info=info, replica=replica)
     clock.mark("node_worker")
     sink.startup = clock.phases
     return run, generation, policy, sink
@@ -112,22 +113,51 @@ def prestart(run: str, storage, *, config, lowdiff: bool, full_every: int) -> No
                             if lineages.is_shard_run(run) else naming.replica_name(run))
 
 
-def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts: int = 3):
-    """The run's replica handle, on a peer node when one is alive. Training process (rank 0), at attach.
+def _start_replica(run: str, storage, coord, generation: int, *, full_every: int, max_lag: int) -> None:
+    """Find or create the run's replica (on the ring peer) so that the attach full reaches it, and check where
+    it runs in a daemon thread (:func:`_place_replica`): its process takes seconds to start, which the attach
+    does not wait for. One created here that landed on this node is placed again, and the coordinator asks the
+    trainer for a full for the new one to start from. Training process (rank 0), at attach."""
+    first = _get_replica(run, storage, full_every=full_every, max_lag=max_lag)
+
+    def check() -> None:
+        try:
+            replica = _place_replica(run, storage, full_every=full_every, max_lag=max_lag, first=first)
+            if replica is not first[0]:
+                coord.request_full.remote(generation, "the state-tier replica was placed again")
+        except Exception as e:  # noqa: BLE001 - the run goes on without its replica; restores read the lineage
+            log.warning("ray_ckpt: could not check where the state-tier replica of run %r runs: %s", run, e)
+
+    threading.Thread(target=check, name="ray_ckpt-replica-place", daemon=True).start()
+
+
+def _get_replica(run: str, storage, *, full_every: int, max_lag: int):
+    """``(handle, created)``: the run's replica, created on the ring peer if missing (or by :func:`prestart` for
+    this attach, which counts as created: not yet placed). Training process."""
+    replica, created = get_or_create_replica(run, _replica_node(), storage, full_every=full_every, max_lag=max_lag)
+    me = ray.get_runtime_context().get_node_id()
+    name = (lineages.replica_host_name(lineages.job_of(run), me) if lineages.is_shard_run(run)
+            else naming.replica_name(run))
+    if name in _prestarted:
+        _prestarted.discard(name)
+        created = True
+    return replica, created
+
+
+def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts: int = 3, first=None):
+    """The run's replica handle, on a peer node when one is alive (``first``: the ``(handle, created)`` of a
+    lookup already made). Training process (rank 0): a daemon thread of the attach.
 
     Soft node affinity may put a new replica on this node even though the peer is alive (seen on a loaded
     2-core cluster right after nodes joined or left); a replica there dies with the trainer's node, so a replica
-    this call has just created (it holds no state yet) is re-placed, up to ``attempts`` times, before a WARNING
-    says where it stayed. An existing replica is never moved: it may hold the live state."""
+    this attach has just created is re-placed, up to ``attempts`` times, before a WARNING says where it stayed.
+    An existing replica is never moved: it may hold the live state."""
     me = ray.get_runtime_context().get_node_id()
     shard = lineages.is_shard_run(run)
     name = lineages.replica_host_name(lineages.job_of(run), me) if shard else naming.replica_name(run)
     for attempt in range(attempts):
-        target = _replica_node()
-        replica, created = get_or_create_replica(run, target, storage, full_every=full_every, max_lag=max_lag)
-        if name in _prestarted:   # prestart() created it for this attach: not yet placed
-            _prestarted.discard(name)
-            created = True
+        replica, created = first if first is not None and attempt == 0 else _get_replica(
+            run, storage, full_every=full_every, max_lag=max_lag)
         where = ray.get(replica.ping.remote())
         peers = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != me]
         if where != me or not peers:
@@ -137,8 +167,8 @@ def _place_replica(run: str, storage, *, full_every: int, max_lag: int, attempts
             created = ray.get(replica.host.lineages.remote()) == [run]
         if not created or attempt == attempts - 1:
             break
-        log.info("ray_ckpt: replica of run %r landed on the trainer's node %s instead of %s; placing it again",
-                 run, me[:8], target[:8])
+        log.info("ray_ckpt: replica of run %r landed on the trainer's node %s instead of a peer; placing it "
+                 "again", run, me[:8])
         ray.kill(getattr(replica, "host", replica), no_restart=True)
         _wait_name_free(name)
     log.warning("ray_ckpt: the state-tier replica of run %r runs on the trainer's node %s (its peer was "
