@@ -138,13 +138,17 @@ def test_under_a_short_deadline_steps_wait_only_within_a_margin_measured_from_th
     for s in range(3):
         T.train_step("mlp", model, opt, None, s)
     deadline = time.monotonic() + writer_mod.SYNC_BEFORE_DEADLINE_S - 2.0
+    assert not sink.drain_due
     sink.notice({"node": "n", "deadline_ms": 1, "remaining_s": 8.0}, deadline)
     assert sink.sync_margin() == writer_mod.SYNC_BEFORE_DEADLINE_S   # nothing measured yet
+    assert sink.drain_due
     T.train_step("mlp", model, opt, None, 3)
     assert sink.stats.notice_syncs == 1 and ck.last_committed_step == 4   # the first step waited
     margin = sink.sync_margin()
     assert writer_mod.SYNC_MIN_S <= margin == max(writer_mod.SYNC_MIN_S,
                                                   writer_mod.SYNC_WAIT_FACTOR * sink.stats.notice_sync_seconds)
+    # (the overhead budget's every-step recording under the notice is due from the same margin on)
+    assert sink.drain_due is (time.monotonic() >= deadline - margin)
     early = 0
     for s in range(4, 8):
         before = time.monotonic() < deadline - margin
@@ -331,8 +335,10 @@ def test_a_drained_trainer_node_removed_at_the_deadline_loses_no_captured_step(r
 @pytest.mark.ray
 def test_a_drain_makes_a_budget_that_left_steps_unrecorded_record_every_step(ray_cluster, drain_run, tmp_path):
     """The overhead budget had left every-step recording (a budget no step fits: a full every 1,000 steps, the
-    steps between them unrecorded): the notice turns recording back on at once (a full of the step it came at,
-    then each step's record), so the node removed at the deadline still loses no step, bitwise."""
+    steps between them unrecorded): the notice keeps that choice until a margin before its deadline (a few times
+    the measured time to make a hand-off safe, at most SYNC_BEFORE_DEADLINE_S), then turns recording back on (a
+    full of the step it came at, then each step's record, each safe before the next step), so the node removed at
+    the deadline still loses no step, bitwise."""
     run, uri = drain_run, str(tmp_path / "ckpt")
     progress = str(tmp_path / "progress.json")
     node, tr = _trainer_node(ray_cluster, uri, run, full_every=1000, batch_steps=8, policy="fixed",
@@ -344,9 +350,15 @@ def test_a_drain_makes_a_budget_that_left_steps_unrecorded_record_every_step(ray
             _progress(progress)), 120, "the budget to leave every-step recording")
         _log(f"budget: {left['mode']} at step {left['step']}: {left['reason']}")
         _wait(lambda: _progress(progress)["step"] >= left["step"] + 10, 60, "unrecorded steps")
-        deadline = time.time() + 5
-        _drain_cli(ray_cluster, node.node_id, 5)
-        _wait(lambda: _progress(progress).get("preempted"), 15, "the trainer to hear of the drain")
+        deadline = time.time() + 15
+        _drain_cli(ray_cluster, node.node_id, 15)
+        heard = _wait(lambda: (lambda p: p if p.get("preempted") else None)(_progress(progress)), 15,
+                      "the trainer to hear of the drain")
+        # more than the longest margin (SYNC_BEFORE_DEADLINE_S) left: the budget's choice holds until the margin
+        left_s = deadline - time.time()
+        _log(f"notice heard at step {heard['step']} with {left_s:.1f} s left: {heard['mode']}")
+        if left_s > writer_mod.SYNC_BEFORE_DEADLINE_S + 0.5:
+            assert heard["mode"] != "every_step", heard
         time.sleep(max(0.0, deadline - time.time()))
         at_removal = _progress(progress)
         ray_cluster.remove_node(node)           # the preemption itself, at the deadline

@@ -203,13 +203,31 @@ class BoundedSink:
         """Whether a drain notice is in force (O(1), no copy: the overhead budget reads it every step)."""
         return self._notice is not None
 
+    def safe_latency(self) -> float | None:
+        """Seconds a recent hand-off took to become safe (the longest, fading), None where the sink does not
+        measure it. Any thread."""
+        return None
+
     def sync_margin(self) -> float:
-        """Seconds before a notice's deadline from which every step waits until it is safe (the longest while no
-        wait has been measured under the notice). Any thread."""
-        w = self._notice_wait_s
-        if w is None:
+        """Seconds before a notice's deadline from which every step is recorded and waits until it is safe:
+        :data:`SYNC_WAIT_FACTOR` times the longest wait for safety seen under the notice or
+        :meth:`safe_latency`, within [:data:`SYNC_MIN_S`, :data:`SYNC_BEFORE_DEADLINE_S`] (the longest while
+        neither is known). Any thread."""
+        known = [x for x in (self._notice_wait_s, self.safe_latency()) if x is not None]
+        if not known:
             return SYNC_BEFORE_DEADLINE_S
-        return min(SYNC_BEFORE_DEADLINE_S, max(SYNC_MIN_S, SYNC_WAIT_FACTOR * w))
+        return min(SYNC_BEFORE_DEADLINE_S, max(SYNC_MIN_S, SYNC_WAIT_FACTOR * max(known)))
+
+    @property
+    def drain_due(self) -> bool:
+        """Whether a drain notice asks for every step to be recorded now (the overhead budget reads it every step;
+        O(1)): from the notice on when it names no deadline, otherwise from :meth:`sync_margin` before it, so that
+        a budget that records a full every k steps keeps doing so until a full and then each step's record can
+        still be made safe in time."""
+        if self._notice is None:
+            return False
+        d = self._notice_deadline
+        return d is None or time.monotonic() >= d - self.sync_margin()
 
     def _sync_due(self) -> bool:
         d = self._notice_deadline

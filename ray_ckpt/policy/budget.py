@@ -174,10 +174,11 @@ class BudgetPolicy:
     at most once a window. ``budget``: the share of the step time checkpointing may cost (0 turns the budget
     off: every step is recorded). ``granular``: whether the capture can leave steps unrecorded (LowDiff);
     other strategies are only measured. ``max_k``: the longest interval between recovery points.
-    ``on_change(report)``: called when the granularity changes (training thread). ``draining()``: whether this
-    process's node drains (a preemption notice; O(1), read once per step): from the notice on every step is
-    recorded whatever it costs, so that the steps up to the deadline are recovery points (zero loss); a withdrawn
-    notice brings back the granularity from before it."""
+    ``on_change(report)``: called when the granularity changes (training thread). ``draining()``: whether a drain
+    notice (a preemption) asks for every step to be recorded now (O(1), read once per step; the sink's
+    ``drain_due``: within a margin of the deadline): from then on every step is recorded whatever it costs, so
+    that the steps up to the deadline are recovery points (zero loss); a withdrawn notice brings back the
+    granularity from before it."""
 
     def __init__(self, inner, budget: float, *, granular: bool = True, max_k: int = 10_000, warmup: int = 1,
                  on_change=None, draining=None):

@@ -108,6 +108,7 @@ class _Chunk:
     size: int           # bytes of captured state it keeps alive (counted in the sink's budget)
     records: list       # the captured records whose buffers ``arrays`` views: recycled once the chunk is safe
     plain: list | None = None   # ``arrays`` with the bytes of its shared-memory descriptors (the fallback)
+    t: float = 0.0              # when it was handed over (monotonic): its time to become safe is measured
 
 
 
@@ -154,6 +155,7 @@ class RaySink(BoundedSink):
         self._draining_nodes: set = set()   # the GCS drain state as the coordinator last told it (sender thread)
         #: steps that waited under a drain notice: until held by this node's worker / until safe
         self.notice_waits = {"received": 0, "safe": 0}
+        self._safe_latency: float | None = None   # seconds from a hand-off to its safety (see safe_latency)
         self._inflight: collections.deque = collections.deque()   # (answer ref, chunk) of unanswered hand-offs
         self._control = {"want_full": False, "delegate": False}
         self._control_ref = None
@@ -389,6 +391,7 @@ class RaySink(BoundedSink):
         if shared:
             c.plain = _coalesce(bufs)
             self.shared_chunks += 1
+        c.t = time.monotonic()
         self._unsafe[m.name] = c
         self._send(c)
         self.chunks_sent += 1
@@ -500,10 +503,17 @@ class RaySink(BoundedSink):
                                                    self.write_timeout)
         raise WriterError(f"persistence worker unavailable for {what}")
 
+    def safe_latency(self) -> float | None:
+        return self._safe_latency
+
     def _on_reply(self, reply: dict) -> None:
+        now = time.monotonic()
         for name in reply["safe"]:
             c = self._unsafe.pop(name, None)
             if c is not None:
+                # the longest recent time to safety, fading by a tenth per chunk (a drain's margin is made of it)
+                took = now - c.t
+                self._safe_latency = took if self._safe_latency is None else max(took, 0.9 * self._safe_latency)
                 c.arrays, c.plain = [], None
                 rec_fmt.recycle(c.records)
                 self._release(c.size)
