@@ -39,7 +39,7 @@ log = logging.getLogger("ray_ckpt")
 #: notice on when it names none, a step returns to the training loop only once it is safe (see BoundedSink.notice)
 SYNC_BEFORE_DEADLINE_S = 10.0
 #: ... and at least this many; in between, SYNC_WAIT_FACTOR times the longest wait for safety seen under the notice
-SYNC_MIN_S = 1.0
+SYNC_MIN_S = 5.0
 SYNC_WAIT_FACTOR = 4.0
 
 
@@ -177,8 +177,9 @@ class BoundedSink:
         notice on without one), also waits in :meth:`submit` until it is safe (:meth:`_wait_noticed`), so that a
         process killed at the deadline has lost no step it captured. What that costs the training thread is one
         write (or hand-off) per step, only then: the margin is :data:`SYNC_WAIT_FACTOR` times the longest such
-        wait (the first one measures it), within [:data:`SYNC_MIN_S`, :data:`SYNC_BEFORE_DEADLINE_S`], so a
-        short deadline is not spent waiting on every step while the pipeline would have emptied in time."""
+        wait (the first one measures it), within [:data:`SYNC_MIN_S`, :data:`SYNC_BEFORE_DEADLINE_S`]: a long
+        notice (a cloud's two minutes) is not spent waiting on every step, while the last seconds leave a
+        loaded machine time to empty what was handed over at once."""
         with self._cv:
             if info is None:
                 self._notice, self._notice_deadline = None, None
@@ -221,13 +222,15 @@ class BoundedSink:
     @property
     def drain_due(self) -> bool:
         """Whether a drain notice asks for every step to be recorded now (the overhead budget reads it every step;
-        O(1)): from the notice on when it names no deadline, otherwise from :meth:`sync_margin` before it, so that
-        a budget that records a full every k steps keeps doing so until a full and then each step's record can
-        still be made safe in time."""
+        O(1)): from the notice on when it names no deadline, otherwise from :data:`SYNC_BEFORE_DEADLINE_S` (or
+        :meth:`sync_margin`, if longer) before it, so that a budget that records a full every k steps keeps doing
+        so through a long notice (a cloud's two minutes) and leaves the time a full of the whole state, then each
+        step's record, takes to be made safe on a node that stays — which no hand-off of the every-k mode
+        measures (its fulls are only written)."""
         if self._notice is None:
             return False
         d = self._notice_deadline
-        return d is None or time.monotonic() >= d - self.sync_margin()
+        return d is None or time.monotonic() >= d - max(SYNC_BEFORE_DEADLINE_S, self.sync_margin())
 
     def _sync_due(self) -> bool:
         d = self._notice_deadline

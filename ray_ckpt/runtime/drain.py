@@ -13,7 +13,7 @@ from the user:
   node, and records the drain (:mod:`ray_ckpt.lineage.drains`, shown by ``ray-ckpt ls``);
 * the training process hears of its own node's drain through the coordinator's control answer (runtime="ray")
   or a :class:`NodeWatch` of its own (runtime="local" in a process connected to Ray); its sink then hands every
-  step over at once and, near the deadline (a margin of a few times the measured wait for safety, 1-10 s),
+  step over at once and, near the deadline (a margin of a few times the measured wait for safety, 5-10 s),
   returns from a step only once it is safe (:meth:`ray_ckpt.engine.writer.BoundedSink.notice`).
 
 Nothing here calls ``ray.train.get_preemption_info()``: that call is a barrier across the worker group.
