@@ -164,12 +164,14 @@ class Checkpointer:
             # held on two nodes (durable on a one-node cluster) when attach returns, unless it restates a step the
             # lineage already holds that way (a restore just installed it): until it is secured in the background,
             # a crash restores that step from the earlier generation, bitwise the same state. A run's first state
-            # (step 0 of a lineage holding nothing) is handed over as each step's record is, without a wait: a
-            # crash before it is secured leaves nothing to restore, so the run starts again from its beginning
-            # (the seconds trained meanwhile are lost, as the records in flight at a crash are)
-            fresh = start_step == 0 and self.generation == 1 and self.shard_spec is None
-            if self.runtime is Runtime.RAY and not (restated and self.shard_spec is None) and not fresh:
-                self._sink.wait_safe()
+            # (step 0 of a lineage holding nothing) waits only until this node's worker holds it, which outlives a
+            # crash of this process: its second copy follows in the background, and a node lost before that
+            # leaves nothing to restore, so the run starts again from its beginning
+            if self.runtime is Runtime.RAY and not (restated and self.shard_spec is None):
+                if start_step == 0 and self.generation == 1 and self.shard_spec is None:
+                    self._sink.wait_received()
+                else:
+                    self._sink.wait_safe()
             t3 = time.perf_counter()
             self.startup["first_full"] = t3 - t1
             self.startup["first_full.wait_safe"] = t3 - t2

@@ -1,8 +1,9 @@
 """The attach full after a restore (runtime="ray"): it restates a step the lineage already holds on two nodes or
 durably, so the Checkpointer no longer waits for it to be secured (a restart of a Ray Train group starts training
 that much sooner), and a crash before it is secured still restores that step, bitwise, from the earlier
-generation. A fresh run's attach does not wait for its full either (handed over as each step's record); any other
-attach (a start step that is not the restored one) still returns only once its full is held on two nodes.
+generation. A fresh run's attach waits until its node's worker holds the full (which outlives a crash of the
+process); any other attach (a start step that is not the restored one) still returns only once its full is held on
+two nodes.
 
 The attach full's hand-off to the node's persistence worker is held back by a gate (the sender thread waits in
 ``RaySink._handoff``), standing for a full not yet handed over or not yet copied to a second node when the
@@ -90,9 +91,10 @@ def _attach_waiting(gate, events, *args, **kwargs):
 
 
 def _first_run(gate, events, uri, run, steps):
-    """A fresh attach, ``steps`` steps, close (every step durable)."""
+    """A fresh attach (it waits until its node's worker holds its full), ``steps`` steps, close (every step
+    durable)."""
     model, opt, sch = _objects()
-    ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, run=run, runtime="ray", **CFG)
+    ck = _attach_waiting(gate, events, uri, model, opt, scheduler=sch, run=run)
     for s in range(steps):
         T.train_step("mlp", model, opt, sch, s)
     ck.close()
@@ -138,9 +140,9 @@ def test_an_attach_at_another_step_than_the_restored_one_waits_for_its_full(run_
     _attach_waiting(gate, events, uri, model, opt, scheduler=sch, run=run, start_step=5).close()
 
 
-def test_a_fresh_runs_attach_does_not_wait_for_its_full(run_env, monkeypatch):
-    """A run's first state (step 0, a lineage holding nothing) is handed over as each step's record is, without a
-    wait (a crash before it is secured leaves nothing to restore: the run starts again); an attach of a later
+def test_a_fresh_runs_attach_waits_only_until_its_nodes_worker_holds_its_full(run_env, monkeypatch):
+    """A run's first state (step 0, a lineage holding nothing) is waited for until this node's persistence worker
+    holds it (it outlives a crash of the process; its second copy follows in the background); an attach of a later
     generation at a step no restore installed still waits until its full is held on two nodes."""
     run, uri = run_env
     calls = []
@@ -157,7 +159,7 @@ def test_a_fresh_runs_attach_does_not_wait_for_its_full(run_env, monkeypatch):
         monkeypatch.setattr(RaySink, name, spy(name))
     model, opt, sch = _objects()
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, **CFG)
-    assert calls == [] and ck.generation == 1
+    assert calls == ["wait_received"] and ck.generation == 1
     for s in range(4):
         T.train_step("mlp", model, opt, sch, s)
     ck.close()
