@@ -222,15 +222,15 @@ class BoundedSink:
     @property
     def drain_due(self) -> bool:
         """Whether a drain notice asks for every step to be recorded now (the overhead budget reads it every step;
-        O(1)): from the notice on when it names no deadline, otherwise from :data:`SYNC_BEFORE_DEADLINE_S` (or
-        :meth:`sync_margin`, if longer) before it, so that a budget that records a full every k steps keeps doing
-        so through a long notice (a cloud's two minutes) and leaves the time a full of the whole state, then each
+        O(1)): from the notice on when it names no deadline, otherwise from :data:`SYNC_BEFORE_DEADLINE_S` before
+        it (the longest :meth:`sync_margin`), so that a budget that records a full every k steps keeps doing so
+        through a long notice (a cloud's two minutes) and leaves the time a full of the whole state, then each
         step's record, takes to be made safe on a node that stays — which no hand-off of the every-k mode
         measures (its fulls are only written)."""
         if self._notice is None:
             return False
         d = self._notice_deadline
-        return d is None or time.monotonic() >= d - max(SYNC_BEFORE_DEADLINE_S, self.sync_margin())
+        return d is None or time.monotonic() >= d - SYNC_BEFORE_DEADLINE_S
 
     def _sync_due(self) -> bool:
         d = self._notice_deadline
