@@ -210,7 +210,7 @@ class BoundedSink:
         return None
 
     def sync_margin(self) -> float:
-        """Seconds before a notice's deadline from which every step is recorded and waits until it is safe:
+        """Seconds before a notice's deadline from which every step submitted waits until it is safe:
         :data:`SYNC_WAIT_FACTOR` times the longest wait for safety seen under the notice or
         :meth:`safe_latency`, within [:data:`SYNC_MIN_S`, :data:`SYNC_BEFORE_DEADLINE_S`] (the longest while
         neither is known). Any thread."""
