@@ -92,3 +92,34 @@ def test_keep_fulls_zero_keeps_everything(tmp_path, ref, monkeypatch):
     got, state = _restore(uri, step=1)
     assert got == 1
     T.assert_same(ref[1], state, "step 1 with keep_fulls=0")
+
+
+def test_retention_keeps_the_base_of_each_ranks_loop_chain(tmp_path):
+    """The main lineage's fulls may come far more often than a rank's loop-state fulls (every k steps under the
+    overhead budget, against the rank's ``full_every``): collecting by the main lineage's cutoff must keep each
+    rank's own full before it, or every kept step loses that rank's RNG and data position (a Ray Train group then
+    resumed rank 1 with rank 0's loader position). The rank's loop state of a kept step restores bitwise."""
+    import torch
+
+    from ray_ckpt.engine import gc
+    from ray_ckpt.engine.rankloop import RankLoopRecorder, load_rank_loop, rank_loop_head
+
+    uri = str(tmp_path / "ck")
+    model, other = T.make_model("mlp"), T.make_model("mlp", seed=1)
+    opt, other_opt = T.make_optimizer("adamw", model), T.make_optimizer("adamw", other)
+    rng = {}
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=FULL_EVERY, batch_steps=2, policy="fixed",
+                               keep_fulls=0) as ck:
+        rank = RankLoopRecorder(ck.storage, 1, other, other_opt, main_generation=ck.generation, start_step=0,
+                                full_every=100, batch_steps=4, max_batch_delay=0)
+        for s in range(STEPS):
+            T.train_step("mlp", model, opt, None, s)
+            T.train_step("mlp", other, other_opt, None, s)   # rank 1's step: its loop state is the RNG after it
+            rng[s + 1] = torch.get_rng_state()
+        rank.close()
+    storage = open_storage(uri)
+    out = gc.collect(storage, keep_fulls=2)
+    assert out.kept_from_step == STEPS - FULL_EVERY and out.rank_deleted == {}, out
+    assert rank_loop_head(storage, 1, 1) == STEPS
+    for step in (STEPS - FULL_EVERY, STEPS):
+        assert torch.equal(load_rank_loop(storage, 1, 1, step)["rng"]["torch"], rng[step]), step

@@ -111,8 +111,12 @@ def _orphans(storage, lineage, cutoff) -> list[str]:
 
 
 def rank_garbage(storage, lineage, cutoff) -> dict[int, tuple]:
-    """Per rank: ``(rank storage, rank lineage, collectable manifests)`` of the per-rank loop-state lineages
-    (each manifest judged by the main lineage's timeline and ``cutoff``, as of the main generation it names)."""
+    """Per rank: ``(rank storage, rank lineage, collectable manifests)`` of the per-rank loop-state lineages.
+    A manifest goes when the main lineage no longer needs its steps (judged by the main timeline and ``cutoff``,
+    as of the main generation it names) *and* the rank's own chains of the kept steps do not read it: a rank
+    takes its loop-state fulls on a schedule of its own (every ``full_every`` steps), sparser than the main
+    lineage's fulls can be (the overhead budget's every-k mode, the replica's fulls), so its full at or before the
+    main cutoff stays with the records after it."""
     out = {}
     ranks = set()
     for key in storage.list(RANKS_DIR):
@@ -122,10 +126,22 @@ def rank_garbage(storage, lineage, cutoff) -> dict[int, tuple]:
     for r in sorted(ranks):
         rs = rank_storage(storage, r)
         rl, _ = load_lineage(rs, strict=False, use_index=False)
-        doomed = [m for m in rl.manifests if _rank_collectable(lineage, m, cutoff)]
+        own = _rank_cutoff(rl, cutoff)
+        doomed = [m for m in rl.manifests if _rank_collectable(lineage, m, cutoff) and collectable(rl, m, own)]
         if doomed:
             out[r] = (rs, rl, doomed)
     return out
+
+
+def _rank_cutoff(rank_lineage, cutoff) -> Manifest | None:
+    """The rank's newest full on its own current timeline at or before the main ``cutoff``'s step: the base of the
+    rank's chain for the oldest step the main lineage keeps (None: no such full, or no cutoff)."""
+    if cutoff is None:
+        return None
+    fulls = [m for m in rank_lineage.manifests if m.kind == "full" and m.last_step <= cutoff.last_step
+             and (rank_lineage.timeline_cap(m.generation) is None
+                  or m.last_step <= rank_lineage.timeline_cap(m.generation))]
+    return max(fulls, key=lambda m: (m.last_step, m.generation), default=None)
 
 
 def _rank_collectable(lineage, m: Manifest, cutoff) -> bool:
