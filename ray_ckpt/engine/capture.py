@@ -454,23 +454,23 @@ class CaptureBase:
             decision = self._amend_decision(rec, decision)
             # a record without its gradients (the overhead budget skipped them) is never handed over
             record = decision.record and not getattr(rec, "unrecorded", False)
+            delegated, wanted = self._full_control() if self._full_control is not None else (False, False)
+            if wanted:   # the runtime asks for a full (a gap, a lost or re-placed replica): the trainer takes it
+                decision = StepDecision(full=True, close_batch=True, record=decision.record)
             if decision.full and getattr(rec, "light", False):   # no loop state to make a full of: the next step
                 self._full_owed = True
                 decision = StepDecision(full=False, close_batch=decision.close_batch, record=decision.record)
             elif self._full_owed:
                 self._full_owed = False
+                wanted = True
                 decision = StepDecision(full=True, close_batch=True, record=decision.record)
             gap_from = self.last_point + 1     # the first step after the latest recovery point
-            if self._full_control is not None:
-                delegated, wanted = self._full_control()
-                if wanted:
-                    decision = StepDecision(full=True, close_batch=True, record=record)
-                elif decision.full and delegated and record and gap_from == rec.step:
-                    # the state tier takes this full (the clock moves) when it saw every step since the last
-                    # recovery point; after steps the overhead budget left unrecorded the trainer takes it
-                    self.last_full_step = rec.step
-                    rec.full_delegated = True          # the replica writes it (exactly one writer per full)
-                    decision = StepDecision(full=False, close_batch=decision.close_batch)
+            if decision.full and not wanted and delegated and record and gap_from == rec.step:
+                # the state tier takes this full (the clock moves) when it saw every step since the last
+                # recovery point; after steps the overhead budget left unrecorded the trainer takes it
+                self.last_full_step = rec.step
+                rec.full_delegated = True          # the replica writes it (exactly one writer per full)
+                decision = StepDecision(full=False, close_batch=decision.close_batch)
             full = None
             if decision.full:
                 full = self._snapshot(rec.step, dict(rec.loop), rec)
