@@ -141,7 +141,8 @@ class Checkpointer:
             self.budget = policy = BudgetPolicy(policy, self.config.overhead_budget,
                                                 granular=impl.name == "lowdiff" and self.shard_spec is None,
                                                 max_k=self.config.max_full_every, on_change=self._budget_changed,
-                                                draining=lambda: self._sink.drain_due)
+                                                draining=lambda: self._sink.drain_due,
+                                                pin=self.config.recovery_every)
             # a restart (Ray Train's, or a resumed run): start at the granularity the previous attempt measured
             previous = getattr(self._sink, "previous_granularity", None)
             if start_step > 0 and policy.granular and policy.budget > 0 and previous is not None:

@@ -292,6 +292,12 @@ class CheckpointConfig:
     #: records a full every k steps instead (the lost-work bound becomes k steps; see docs/policy.md,
     #: "Overhead budget"). 0: no budget, every step recorded
     overhead_budget: float = 0.05
+    #: pins the recovery granularity instead of letting ``overhead_budget`` choose it. 0 (default): the budget
+    #: chooses; 1: every step recorded (as ``overhead_budget=0``, the budget only measures); k >= 2: a full
+    #: checkpoint every k steps and no per-step records (the budget's ``every_k`` mode, whatever the measured
+    #: cost; lost-work bound k steps). A drain notice still records every step until its deadline. LowDiff
+    #: with unsharded state only (other strategies and sharded state always record every step)
+    recovery_every: int = 0
     #: runtime="ray": the capture's per-step gradient buffers live in memory shared with the node's persistence
     #: worker, which copies them into the object store itself (the training process makes no second copy; see
     #: ray_ckpt.runtime.shared). Falls back to handing the bytes over where the worker cannot map that memory
@@ -335,6 +341,9 @@ class CheckpointConfig:
         if not (isinstance(self.overhead_budget, (int, float)) and 0 <= self.overhead_budget < 10):
             raise ValueError(f"overhead_budget must be a share of the step time in [0, 10) (0.05: 5 %; 0: no "
                              f"budget), got {self.overhead_budget!r}")
+        if not (isinstance(self.recovery_every, int) and self.recovery_every >= 0):
+            raise ValueError(f"recovery_every must be an int >= 0 (0: the overhead budget chooses; 1: every step; "
+                             f"k >= 2: a full every k steps), got {self.recovery_every!r}")
         if self.fingerprint_every < 0:
             raise ValueError(f"fingerprint_every must be >= 0 (0 disables), got {self.fingerprint_every}")
 

@@ -14,6 +14,7 @@ import ray_ckpt
 from ray_ckpt.cli.main import main as cli_main
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.policy import FixedFrequencyPolicy, StepContext
+from tests import _training as T
 from ray_ckpt.policy.budget import BudgetPolicy, StepMeter, Window, choose_durable
 from ray_ckpt.runtime import lineages
 from ray_ckpt.storage import open_storage
@@ -560,3 +561,37 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
     # of the first attempt, and the second attempt's first full (its steps continue the same batches)
     check = set(fulls[-2:]) | set(points[-2:]) | {points[0], at + g2["k"]}
     _assert_points_restore_bitwise(uri, width, sorted(check))
+
+
+def test_pinned_every_k_full_asked_at_an_unrecorded_step_keeps_its_loop_state(tmp_path):
+    """``recovery_every=5`` pins a full every 5 steps from attach. A full the runtime asks for (a gap, a lost or
+    re-placed replica) at an unrecorded step, whose loop state was not captured, is taken at the next step with
+    its RNG and extra state: restoring it continues the dropout loop bit for bit (before, the full was taken at
+    once without them, and the resumed run drew other dropout masks)."""
+    uri, steps = str(tmp_path / "ck"), 14
+    ref = T.make_model("mlp_do")
+    ref_opt = T.make_optimizer("adamw", ref)
+    pos = T.Position()
+    states = {}
+    for s in range(steps):
+        T.train_step("mlp_do", ref, ref_opt, None, s, reseed=False)
+        states[s + 1] = (T.snapshot(ref, ref_opt), torch.get_rng_state())
+    m = T.make_model("mlp_do")
+    opt = T.make_optimizer("adamw", m)
+    with ray_ckpt.Checkpointer(uri, m, opt, recovery_every=5, extra_state=pos) as ck:
+        assert (ck.budget.mode, ck.budget.k, ck.budget.recording) == ("every_k", 5, False)
+        asks = iter([False] * 6 + [True])     # asked once, at step 7's finalization (unrecorded, no loop state)
+        ck._capture._full_control = lambda: (False, next(asks, False))
+        for s in range(steps):
+            pos.pos = s + 1                    # the batch this step takes (as a loader's position)
+            T.train_step("mlp_do", m, opt, None, s, reseed=False)
+    lineage, _ = load_lineage(open_storage(uri))
+    fulls = sorted(mm.last_step for mm in lineage.manifests if mm.kind == "full")
+    assert fulls == [0, 5, 8, 13, 14], fulls        # 8: the asked full, a step after the unrecorded step 7
+    assert lineage.uncovered_steps(lineage.generations[-1]) == []
+    for s in (8, 13):
+        m2, p2 = T.make_model("mlp_do", seed=5), T.Position()
+        o2 = T.make_optimizer("adamw", m2)
+        assert ray_ckpt.restore(uri, m2, o2, step=s, extra_state=p2) == s and p2.pos == s
+        T.assert_same(states[s][0], T.snapshot(m2, o2), f"step {s}")
+        assert torch.equal(torch.get_rng_state(), states[s][1]), f"step {s}: RNG"

@@ -38,11 +38,18 @@ def _fit(tmp, name, config):
     return fit(tmp / "ckpt", name, config, storage_path=tmp / "ray_train", full_every=20, batch_steps=10)
 
 
-def _case(tmp_path, references, kill_rank, mode):
+#: the recording modes every recovery test runs in: every step recorded, and the overhead budget's every-k mode
+#: (a full every EVERY_K steps, the steps between unrecorded), each pinned with recovery_every
+EVERY_K = 5
+RECORDING = {"every_step": "1", "every_k": str(EVERY_K)}
+
+
+def _case(tmp_path, references, kill_rank, mode, recording="every_step"):
     out = tmp_path / "killed"
     out.mkdir()
     config = {"out": str(out), "kill_at": KILL_AT, "kill_rank": kill_rank, "step_sleep": 0.02,
-              "topk": mode == "topk", "handoff_delay": 0, "progress": True}
+              "topk": mode == "topk", "handoff_delay": 0, "progress": True,
+              "env": {"RAY_CKPT_RECOVERY_EVERY": RECORDING[recording]}}
     result = _fit(tmp_path, f"death-{mode}-{kill_rank}-{uuid.uuid4().hex[:6]}", config)
     assert result.error is None, result.error
     assert (out / "killed").exists()
@@ -63,7 +70,10 @@ def _case(tmp_path, references, kill_rank, mode):
     for rank in (0, 1):
         ref, got = references[mode][rank], finals[rank]
         assert got["restored"], got["start"]
-        assert got["start"] in (KILL_AT - 1, KILL_AT), got["start"]        # at most one step lost
+        if recording == "every_step":
+            assert got["start"] in (KILL_AT - 1, KILL_AT), got["start"]        # at most one step lost
+        else:                                                                  # at most k steps lost
+            assert KILL_AT - EVERY_K <= got["start"] <= KILL_AT, got["start"]
         assert got["step"] == ref["step"] == EPOCHS * PER_EPOCH
         assert got["epoch"] == ref["epoch"] == (EPOCHS - 1, PER_EPOCH)
         T.assert_same(ref["state"], got["state"], f"rank {rank}")
@@ -72,8 +82,10 @@ def _case(tmp_path, references, kill_rank, mode):
 
 # two cases in `make test` (each rank once, each mode once); the other two under `long`
 @pytest.mark.ray
-@pytest.mark.parametrize("kill_rank,mode", [
-    (1, "dense"), (0, "topk"),
-    pytest.param(0, "dense", marks=pytest.mark.long), pytest.param(1, "topk", marks=pytest.mark.long)])
-def test_rank_killed_mid_epoch_loses_at_most_one_step(tmp_path, references, ray_cluster, kill_rank, mode):
-    _case(tmp_path, references, kill_rank, mode)
+@pytest.mark.parametrize("kill_rank,mode,recording", [
+    (1, "dense", "every_step"), (0, "topk", "every_step"), (0, "dense", "every_k"), (1, "dense", "every_k"),
+    pytest.param(0, "dense", "every_step", marks=pytest.mark.long),
+    pytest.param(1, "topk", "every_step", marks=pytest.mark.long),
+    pytest.param(0, "topk", "every_k", marks=pytest.mark.long)])
+def test_rank_killed_mid_epoch_resumes_bitwise(tmp_path, references, ray_cluster, kill_rank, mode, recording):
+    _case(tmp_path, references, kill_rank, mode, recording)

@@ -178,12 +178,15 @@ class BudgetPolicy:
     notice (a preemption) asks for every step to be recorded now (O(1), read once per step; the sink's
     ``drain_due``: within a margin of the deadline): from then on every step is recorded whatever it costs, so
     that the steps up to the deadline are recovery points (zero loss); a withdrawn notice brings back the
-    granularity from before it."""
+    granularity from before it. ``pin`` (``recovery_every``): 0 lets the budget choose; 1 records every step; k >= 2
+    records a full every k steps from the start, whatever the windows measure (drain notices still apply)."""
 
     def __init__(self, inner, budget: float, *, granular: bool = True, max_k: int = 10_000, warmup: int = 1,
-                 on_change=None, draining=None):
+                 on_change=None, draining=None, pin: int = 0):
         if not 0 <= budget < 10:
             raise ValueError(f"overhead_budget must be in [0, 10), got {budget}")
+        if not (isinstance(pin, int) and pin >= 0):
+            raise ValueError(f"recovery_every must be an int >= 0, got {pin!r}")
         self.inner, self.budget, self.granular, self.max_k = inner, budget, granular, max_k
         self.warmup = warmup
         self.on_change = on_change
@@ -219,6 +222,14 @@ class BudgetPolicy:
         self._pre_drain: tuple | None = None   #: (mode, k) when a drain notice came
         self.draining = draining
         self._drained = False  #: every step recorded because of a drain notice (until it is withdrawn)
+        #: the granularity pinned by recovery_every (0: the budget chooses; only for a granular capture)
+        self.pin = pin if granular else 0
+        if self.pin == 1:
+            self.reason = "recovery_every=1: every step recorded (the budget only measures)"
+        elif self.pin >= 2:
+            self.mode, self.k, self.recording = "every_k", self.pin, False
+            self.reason = f"recovery_every={self.pin}: a full every {self.pin} steps (pinned; the budget only measures)"
+            self.changes.append({"mode": self.mode, "k": self.k, "reason": self.reason})
 
     # the cost model's values, for stats() and the capture
     @property
@@ -252,7 +263,7 @@ class BudgetPolicy:
         mtbf = (state or {}).get("mtbf_s")
         if isinstance(mtbf, (int, float)) and math.isfinite(mtbf) and mtbf > 0:
             self.mtbf_s = float(mtbf)
-        if not state or not self.granular or self.budget <= 0 or state.get("budget") != self.budget:
+        if not state or not self.granular or self.budget <= 0 or self.pin or state.get("budget") != self.budget:
             return False
         mode, k = state.get("mode"), state.get("k")
         if mode not in ("every_k", "fulls_only") or not isinstance(k, int) or not 2 <= k <= self.max_k:
@@ -387,8 +398,10 @@ class BudgetPolicy:
                 c = self._k_cost / self._k_fulls
                 self.full_cost = c if self.full_cost is None else 0.5 * self.full_cost + 0.5 * c
                 self._k_cost, self._k_fulls = 0.0, 0
-        if self._seen <= self.warmup or self.budget <= 0 or not self.granular:
-            if self.budget <= 0:
+        if self._seen <= self.warmup or self.budget <= 0 or not self.granular or self.pin:
+            if self.pin:
+                pass   # the reason set at construction (or by a drain notice) stands
+            elif self.budget <= 0:
                 self.reason = "overhead_budget=0: every step recorded"
             elif not self.granular:
                 self.reason = "measured only: this strategy records every step"
