@@ -266,3 +266,25 @@ def test_rank_loop_state_is_written_within_max_batch_delay_not_only_per_batch(tm
         time.sleep(0.05)
     assert rank_loop_head(storage, 1, 1) == 3      # 3 of a batch of 10, written for their age
     rec.close()
+
+
+def test_a_rank_of_the_saved_world_without_restorable_loop_state_is_warned_about(tmp_path, caplog):
+    """A rank that recorded loop state in the restored generation but has none that restores the agreed step (its
+    records lost or collected) cannot continue bit for bit: said at WARNING, not as a new rank's INFO line."""
+    import logging
+
+    from ray_ckpt.engine.rankloop import RankLoopRecorder, rank_loop_recorded
+    from ray_ckpt.integrations.agreement import _restore_own_loop
+
+    storage = open_uri(str(tmp_path / "ck"))
+    model = T.make_model("mlp")
+    opt = T.make_optimizer("adamw", model)
+    RankLoopRecorder(storage, 1, model, opt, main_generation=1, start_step=0, max_batch_delay=0).close()
+    assert rank_loop_recorded(storage, 1, 1) and not rank_loop_recorded(storage, 1, 2)
+    assert not rank_loop_recorded(storage, 2, 1)
+    with caplog.at_level(logging.INFO, logger="ray_ckpt"):
+        _restore_own_loop(storage, 1, 1, 30, recorded=False, extra_state=None)   # of the world, step 30 lost
+        _restore_own_loop(storage, 2, 1, 30, recorded=False, extra_state=None)   # new to the group
+    levels = {r.message.split()[2]: r.levelname for r in caplog.records if r.message.startswith("ray_ckpt: rank")}
+    assert levels == {"1": "WARNING", "2": "INFO"}, caplog.text
+    assert "does NOT continue bit for bit" in caplog.text

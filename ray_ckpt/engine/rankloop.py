@@ -110,6 +110,12 @@ def rank_loop_head(storage, rank: int, main_generation: int) -> int | None:
     return _generation_lineage(storage, rank, main_generation).head()
 
 
+def rank_loop_recorded(storage, rank: int, main_generation: int) -> bool:
+    """Whether rank ``rank`` recorded any loop state while attached to main generation ``main_generation`` (it was
+    part of that world), restorable or not. Any process."""
+    return bool(_generation_lineage(storage, rank, main_generation).manifests)
+
+
 def load_rank_loop(storage, rank: int, main_generation: int, step: int) -> dict:
     """Rank ``rank``'s loop state after ``step`` of main generation ``main_generation`` (of the rank's timeline
     when that generation does not reach back to ``step``). Raises NoCheckpointError when it was not recorded.

@@ -196,6 +196,12 @@ def _restore_own_loop(storage, rank: int, generation: int, step: int, *, recorde
     hook = getattr(extra_state, "reset_for_new_rank", None)
     if callable(hook):
         hook()
+    if rankloop.rank_loop_recorded(storage, rank, generation):   # it was part of the world: its own state is lost
+        log.warning("ray_ckpt: rank %d recorded loop state in generation %d, but none that restores step %d: extra "
+                    "state is rank 0's%s, RNG derived from rank 0's (seed %d); this rank does NOT continue bit for "
+                    "bit as the uninterrupted run", rank, generation, step,
+                    " (then reset_for_new_rank())" if callable(hook) else "", seed)
+        return
     log.info("ray_ckpt: rank %d has no loop state of its own in generation %d (it was not part of the saved "
              "world): extra state is rank 0's%s, RNG derived from rank 0's (seed %d)", rank, generation,
              " (then reset_for_new_rank())" if callable(hook) else "", seed)
