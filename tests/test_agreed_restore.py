@@ -288,3 +288,10 @@ def test_a_rank_of_the_saved_world_without_restorable_loop_state_is_warned_about
     levels = {r.message.split()[2]: r.levelname for r in caplog.records if r.message.startswith("ray_ckpt: rank")}
     assert levels == {"1": "WARNING", "2": "INFO"}, caplog.text
     assert "does NOT continue bit for bit" in caplog.text
+
+
+def test_explain_loss_names_the_recovery_point_before_the_step_every_rank_recorded():
+    from ray_ckpt.integrations.agreement import explain_loss
+    lost, why = explain_loss(135, [None, 130], 126, 130)
+    assert lost == 9 and "rank 1 recorded its loop state only up to step 130" in why
+    assert "no recovery point between step 126 and step 130" in why, why

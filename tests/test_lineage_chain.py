@@ -174,3 +174,14 @@ def test_range_difference(a, b, want):
     assert range_difference(a, b) == want
     brute = sorted({s for lo, hi in a for s in range(lo, hi + 1)} - {s for lo, hi in b for s in range(lo, hi + 1)})
     assert [s for lo, hi in want for s in range(lo, hi + 1)] == brute
+
+
+def test_latest_at_or_before_maps_an_unrecorded_step_to_the_recovery_point_before_it():
+    """Every-k recording (fulls at 0, 5, 10, 13 with nothing recorded between them), a newer generation branched at
+    10 with records after it: the newest recoverable step at or before a step, on the current timeline (a rank's
+    loop state may reach a step the main lineage did not record; the group then restores the point before it)."""
+    lin = Lineage([_m(1, "full", 0, 0), _m(1, "full", 5, 5), _m(1, "full", 10, 10), _m(1, "full", 13, 13),
+                   _m(2, "full", 10, 10), _m(2, "diff", 11, 12)])
+    got = {s: lin.latest_at_or_before(s) for s in (0, 3, 5, 9, 10, 11, 12, 13, 20)}
+    assert got == {0: 0, 3: 0, 5: 5, 9: 5, 10: 10, 11: 11, 12: 12, 13: 12, 20: 12}, got   # 13 of gen 1: superseded
+    assert Lineage([_m(1, "full", 4, 4)]).latest_at_or_before(3) is None

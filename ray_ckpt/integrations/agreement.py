@@ -129,9 +129,13 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
     newest, generation = latest
     heads = group.all_gather("read their loop state", lambda: None if group.rank == 0 else
                              rankloop.rank_loop_head(storage, group.rank, generation))
-    step = min([newest, *(h for h in heads if h is not None)])
+    bound = min([newest, *(h for h in heads if h is not None)])
+    step = bound
+    if bound < newest:   # every-k recording (the overhead budget): the newest recovery point at or before it
+        step, _ = group.broadcast(f"resolve a recovery point at or before step {bound}", functools.partial(
+            _point_at_or_before, storage, run, runtime, bound))
     mark("heads")
-    lost, why = explain_loss(newest, heads, step)
+    lost, why = explain_loss(newest, heads, step, bound)
     if lost:
         log.warning("ray_ckpt: restoring step %d: %d step(s) lost (recomputed now): %s", step, lost, why)
     else:
@@ -148,16 +152,19 @@ def agreed_restore(storage, model, optimizer, *, scheduler=None, extra_state=Non
     return restored, True
 
 
-def explain_loss(newest: int, heads: list, step: int) -> tuple[int, str]:
+def explain_loss(newest: int, heads: list, step: int, bound: int | None = None) -> tuple[int, str]:
     """``(steps lost, why)`` of restoring ``step`` when rank 0's lineage reaches ``newest`` and rank ``r > 0``
-    recorded its loop state up to ``heads[r]`` (None: not part of the saved world; ``heads[0]`` is ignored).
+    recorded its loop state up to ``heads[r]`` (None: not part of the saved world; ``heads[0]`` is ignored);
+    ``bound``: the step every rank recorded (default ``step``), of which ``step`` is the newest recovery point of
+    rank 0's lineage at or before it (a full every k steps under the overhead budget).
     The steps lost are counted from the furthest step any rank recorded: the group reached at least that one,
     while a step no rank recorded is unknown here (at most ``handoff_delay`` seconds or ``batch_steps`` steps of
     training are captured but not yet handed off or written). Any process."""
+    bound = step if bound is None else bound
     recorded = {0: newest, **{r: h for r, h in enumerate(heads) if r > 0 and h is not None}}
     reached = max(recorded.values())
     lost = reached - step
-    behind = sorted(r for r, h in recorded.items() if h == step)
+    behind = sorted(r for r, h in recorded.items() if h == bound)
     if not lost:
         return 0, (f"every rank recorded it and none recorded a later step (work after step {step} that was "
                    f"captured but not yet handed off, at most handoff_delay or batch_steps, is recomputed)")
@@ -168,8 +175,11 @@ def explain_loss(newest: int, heads: list, step: int) -> tuple[int, str]:
             causes.append(f"rank 0's step records end at step {step} (its later records were not yet handed "
                           f"off to the node's persistence worker or storage when the group stopped)")
         else:
-            causes.append(f"rank {r} recorded its loop state only up to step {step} (its later records were not "
+            causes.append(f"rank {r} recorded its loop state only up to step {bound} (its later records were not "
                           f"yet written when the group stopped)")
+    if step < bound:
+        causes.append(f"rank 0's lineage has no recovery point between step {step} and step {bound} (the overhead "
+                      f"budget records a full every k steps)")
     return lost, f"the group reached at least step {reached} ({ahead}), but " + "; ".join(causes)
 
 
@@ -181,6 +191,13 @@ def _latest(storage, run: str | None, runtime: str) -> tuple[int, int] | str:
         return resolve_step(storage, None, run=run, use_coordinator=runtime == "ray")
     except NoCheckpointError as e:
         return str(e)
+
+
+def _point_at_or_before(storage, run: str | None, runtime: str, step: int) -> tuple[int, int]:
+    """``(step, generation)`` of the newest recoverable step of the main lineage at or before ``step``. World
+    rank 0."""
+    from ray_ckpt.runtime.client import resolve_step   # imports Ray: only where a group agrees on a step
+    return resolve_step(storage, step, run=run, use_coordinator=runtime == "ray", at_or_before=True)
 
 
 def _restore_own_loop(storage, rank: int, generation: int, step: int, *, recorded: bool, extra_state) -> None:

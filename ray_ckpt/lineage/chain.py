@@ -229,6 +229,22 @@ class Lineage:
         raise NoCheckpointError(f"step {step} is not recoverable on the current timeline "
                                 f"(latest recoverable step: {head})")
 
+    def latest_at_or_before(self, step: int) -> int | None:
+        """The newest recoverable step at or before ``step`` on the current timeline (None: none). A step the
+        overhead budget left unrecorded (a full every k steps) maps to the recovery point before it."""
+        for gen in sorted(self._gens, reverse=True):
+            start = self.start_of(gen)
+            if start is None or start > step:
+                continue
+            best = None
+            for lo, hi in self.reachable_ranges(gen):
+                if lo > step:
+                    break
+                best = min(hi, step)
+            if best is not None:
+                return best
+        return None
+
     def plan_in(self, gen: int, step: int) -> Plan:
         """The plan for ``step`` within generation ``gen`` (no supersession rules: the caller applies them)."""
         return self._plan(gen, step)

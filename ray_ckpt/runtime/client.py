@@ -223,16 +223,21 @@ def coordinator(storage, run: str | None = None):
 
 
 def resolve_step(storage, step: int | None, *, run: str | None = None, timeout: float = 60.0,
-                 use_coordinator: bool = True) -> tuple[int, int]:
-    """``(step, generation)`` a restore of ``step`` (None = latest recoverable) reads, as the run's coordinator
-    plans it (from storage alone when the run has no coordinator, or ``use_coordinator=False``). Raises
-    NoCheckpointError. Any process."""
+                 use_coordinator: bool = True, at_or_before: bool = False) -> tuple[int, int]:
+    """``(step, generation)`` a restore of ``step`` (None = latest recoverable; ``at_or_before``: the newest
+    recoverable step at or before ``step``) reads, as the run's coordinator plans it (from storage alone when the
+    run has no coordinator, or ``use_coordinator=False``). Raises NoCheckpointError. Any process."""
     coord = coordinator(storage, run) if use_coordinator and ray.is_initialized() else None
     if coord is None:
         lineage, _ = load_lineage(storage)
+        if at_or_before and step is not None:
+            found = lineage.latest_at_or_before(step)
+            if found is None:
+                raise NoCheckpointError(f"no step at or before {step} is recoverable on the current timeline")
+            step = found
         plan = lineage.resolve(step)
         return plan.step, plan.generation
-    plan = ray.get(coord.plan.remote(step), timeout=timeout)
+    plan = ray.get(coord.plan.remote(step, at_or_before), timeout=timeout)
     if "error" in plan:
         raise NoCheckpointError(plan["error"])
     return plan["step"], plan["generation"]

@@ -784,9 +784,10 @@ class Coordinator:
         """Other run events (resizes...), kept for status and policies."""
         self.events.append({"time": time.time(), **info})
 
-    def plan(self, step: int | None = None) -> dict:
-        """The recovery plan for ``step`` (None = latest recoverable): the manifests to read, in order, and for
-        each the object references of live holders (memory tier; empty = read from durable storage).
+    def plan(self, step: int | None = None, at_or_before: bool = False) -> dict:
+        """The recovery plan for ``step`` (None = latest recoverable; ``at_or_before``: the newest recoverable step
+        at or before ``step``): the manifests to read, in order, and for each the object references of live
+        holders (memory tier; empty = read from durable storage).
 
         The chain starts from the newest full that reaches the step; a chain held wholly in memory is preferred
         among equally short ones, and every held object is read from memory. When the
@@ -795,6 +796,14 @@ class Coordinator:
         ``replica`` names the step whose state the replica can hand over: the restore then reads only the
         records after it (the client checks again that the snapshot it gets lies in that range)."""
         self._forget_dead_nodes()
+        if at_or_before and step is not None:
+            found = self._lineage().latest_at_or_before(step)
+            if found is None:
+                self._refresh_durable()
+                found = self._lineage().latest_at_or_before(step)
+            if found is None:
+                return {"error": f"no step at or before {step} is recoverable on the current timeline"}
+            step = found
         alive = self._alive_nodes()
         memory = Lineage([e.manifest for e in self.entries.values() if any(n in alive for n in e.holders)])
         try:
