@@ -30,15 +30,9 @@ import pytest
 
 from tests.ray_cluster import ray_cluster  # noqa: F401 - the session's multi-node Ray cluster
 
-# The suite was written when a lineage kept every step (keep_fulls=0 was the default): many tests restore or list
-# steps older than the two newest fulls that the default now keeps. They run with keep_fulls=0, set here before
-# any Ray cluster or subprocess starts so that every process of the session inherits it; the tests of the default
-# retention (tests/test_retention.py, tests/test_startup_ray_train.py) remove it for themselves.
-os.environ.setdefault("RAY_CKPT_KEEP_FULLS", "0")
-# The overhead budget (default 5 %) leaves steps unrecorded when checkpointing costs more than that share of the
-# step time, which on a loaded test machine depends on the load: the suite's tests that restore every step run
-# without it (set here, inherited by the Ray workers it starts); tests/test_overhead_budget.py sets it itself.
-os.environ.setdefault("RAY_CKPT_OVERHEAD_BUDGET", "0")
+# The suite runs the defaults users get (the overhead budget, keep_fulls=2): a test that needs another setting
+# (every step recorded, every step kept, a pinned granularity) sets it in its own code, never here.
+
 # The suite's models are tiny: torch's intra-op threads (one per core by default) only contend with the writer
 # threads and the Ray processes for the 2 cores of the test machine; a 60-step loop took 10-50x longer with 2
 # threads than with 1 when the machine was busy. Set before torch is imported (by the test modules, collected
