@@ -107,7 +107,7 @@ def test_bound_holds_at_every_checkpointed_step(tmp_path, seed, mode):
     opt = RandomWalkOptimizer(model.parameters(), seed)
     steps = 36
     live = {0: _state(model, opt)}
-    with ray_ckpt.Checkpointer(tmp_path, model, opt, strategy=cfg, full_every=16, batch_steps=3) as ck:
+    with ray_ckpt.Checkpointer(tmp_path, model, opt, strategy=cfg, full_every=16, batch_steps=3, keep_fulls=0) as ck:
         for s in range(steps):
             opt.step()
             live[s + 1] = _state(model, opt)
@@ -163,7 +163,7 @@ def _train(uri, cfg, kind="mlp", steps=30, full_every=12, batch_steps=4, dtype=N
     sch = T.make_scheduler(opt, total=steps)
     live = {0: T.snapshot(model, opt, sch)}
     with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, strategy=cfg, full_every=full_every,
-                               batch_steps=batch_steps) as ck:
+                               batch_steps=batch_steps, keep_fulls=0) as ck:
         for s in range(steps):
             T.train_step(kind, model, opt, sch, s)
             live[s + 1] = T.snapshot(model, opt, sch)

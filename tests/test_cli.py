@@ -15,7 +15,7 @@ CLI = [sys.executable, "-m", "ray_ckpt.cli.main"]
 def _lineage(uri, steps=12):
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
-    with ray_ckpt.Checkpointer(uri, model, opt, full_every=5, batch_steps=3):
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=5, batch_steps=3, recovery_every=1, keep_fulls=0):
         for s in range(steps):
             T.train_step("mlp", model, opt, None, s)
 

@@ -42,7 +42,7 @@ def _writer_threads() -> list[str]:
 def test_a_config_object_takes_effect(tmp_path):
     model, opt = _model_opt()
     uri = tmp_path / "c"
-    with ray_ckpt.Checkpointer(uri, model, opt, config=CheckpointConfig(full_every=5, batch_steps=5)) as ck:
+    with ray_ckpt.Checkpointer(uri, model, opt, config=CheckpointConfig(full_every=5, batch_steps=5, keep_fulls=0, recovery_every=1)) as ck:
         _train(ck, model, opt, 10)
         stats = ck.stats()
         assert (stats["full_every"], stats["batch_steps"]) == (5, 5)
@@ -54,7 +54,7 @@ def test_a_config_object_takes_effect(tmp_path):
 def test_a_keyword_override_wins_over_the_config(tmp_path):
     model, opt = _model_opt()
     uri = tmp_path / "c"
-    cfg = CheckpointConfig(full_every=5, batch_steps=5, policy="fixed")
+    cfg = CheckpointConfig(full_every=5, batch_steps=5, policy="fixed", keep_fulls=0, recovery_every=1)
     with ray_ckpt.Checkpointer(uri, model, opt, config=cfg, full_every=4, batch_steps=None) as ck:
         _train(ck, model, opt, 9)
         assert (ck.config.full_every, ck.config.batch_steps, ck.config.policy) == (4, 5, "fixed")
@@ -87,11 +87,11 @@ def test_precedence_default_env_config_keyword(monkeypatch):
 def test_env_overrides_fields_a_config_leaves_unset_in_a_checkpointer(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_CKPT_FULL_EVERY", "3")
     model, opt = _model_opt()
-    with ray_ckpt.Checkpointer(tmp_path / "a", model, opt, config=CheckpointConfig(batch_steps=1)) as ck:
+    with ray_ckpt.Checkpointer(tmp_path / "a", model, opt, config=CheckpointConfig(batch_steps=1, keep_fulls=0, recovery_every=1)) as ck:
         _train(ck, model, opt, 6)
     assert _fulls(tmp_path / "a") == [0, 3, 6]
     model, opt = _model_opt()
-    with ray_ckpt.Checkpointer(tmp_path / "b", model, opt, config=CheckpointConfig(full_every=4)) as ck:
+    with ray_ckpt.Checkpointer(tmp_path / "b", model, opt, config=CheckpointConfig(full_every=4, keep_fulls=0, recovery_every=1)) as ck:
         _train(ck, model, opt, 6)
     assert _fulls(tmp_path / "b") == [0, 4]
 
@@ -133,7 +133,7 @@ def test_a_bad_runtime_says_what_is_accepted(tmp_path):
 def test_the_local_adaptive_policy_is_fed_by_the_commits(tmp_path):
     model, opt = _model_opt()
     uri = tmp_path / "c"
-    with ray_ckpt.Checkpointer(uri, model, opt, config=CheckpointConfig(full_every=5, batch_steps=1)) as ck:
+    with ray_ckpt.Checkpointer(uri, model, opt, config=CheckpointConfig(full_every=5, batch_steps=1, keep_fulls=0, recovery_every=1)) as ck:
         _train(ck, model, opt, 10)
         ck.flush()
         report = ck.policy_report()

@@ -54,7 +54,7 @@ def test_sigkill_mid_write_leaves_last_committed_step(tmp_path, kill_after):
 
 def _train_and_checkpoint(uri, steps=20):
     model, opt = _fresh(seed=0)  # the same init as _reference
-    with ray_ckpt.Checkpointer(uri, model, opt, full_every=10, batch_steps=4):
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=10, batch_steps=4, recovery_every=1, keep_fulls=0):
         for s in range(steps):
             T.train_step("mlp", model, opt, None, s)
 

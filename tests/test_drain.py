@@ -99,7 +99,7 @@ def test_a_notice_makes_the_local_writer_write_every_step_and_wait_near_the_dead
     ref = _reference(16)
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
-    ck = ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, batch_steps=50, policy="fixed")
+    ck = ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, batch_steps=50, policy="fixed", recovery_every=1)
     assert ck.preempted() is None
     for s in range(5):
         T.train_step("mlp", model, opt, None, s)

@@ -74,7 +74,7 @@ def _checkpointed_run(uri):
     torch.manual_seed(123)
     model, opt, sched, scaler, pos = objs
     with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sched, scaler=scaler, extra_state=pos,
-                               full_every=5, batch_steps=3, policy="fixed") as ck:
+                               full_every=5, batch_steps=3, policy="fixed", recovery_every=1, keep_fulls=0) as ck:
         for _ in range(ITERS):
             _iteration(*objs)
         assert scaler.__dict__.get("update") is not None   # wrapped while attached

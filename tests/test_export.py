@@ -44,7 +44,7 @@ def gpt_run(tmp_path_factory):
     model = T.make_model("gpt")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
-    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=5, batch_steps=3):
+    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=5, batch_steps=3, recovery_every=1, keep_fulls=0):
         for s in range(STEPS):
             T.train_step("gpt", model, opt, sch, s)
     return uri, T.reference_states(STEPS, "gpt")
@@ -262,7 +262,8 @@ def test_branches_and_gc_keep_what_the_live_timeline_needs(tmp_path):
         sch = T.make_scheduler(opt)
         if start:
             assert ray_ckpt.restore(uri, model, opt, scheduler=sch, step=start) == start
-        with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=5, batch_steps=2, **kw):
+        with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=5, batch_steps=2,
+                                   **{"recovery_every": 1, "keep_fulls": 0, **kw}):
             for s in range(start, stop):
                 T.train_step("mlp", model, opt, sch, s)
 
@@ -302,7 +303,7 @@ def test_gc_collects_per_rank_loop_state_by_the_main_timeline(tmp_path):
     RankLoopRecorder(storage, 1, other_m, other_o, main_generation=1, start_step=0,  # a stale earlier record
                      full_every=5, batch_steps=2).close()
     rank_gen_before = len(list((uri / "ranks" / "1" / "manifests").iterdir()))
-    ck = ray_ckpt.Checkpointer(uri, main_m, main_o, full_every=5, batch_steps=2)         # main generation 1
+    ck = ray_ckpt.Checkpointer(uri, main_m, main_o, full_every=5, batch_steps=2, recovery_every=1, keep_fulls=0)         # main generation 1
     rec = RankLoopRecorder(storage, 1, other_m, other_o, main_generation=ck.generation, start_step=0,
                            full_every=5, batch_steps=2)                                  # rank generation 2
     for s in range(16):

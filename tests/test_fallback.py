@@ -19,7 +19,7 @@ def _run(uri, steps, start=0, model=None, opt=None, sch=None, **kw):
         opt = T.make_optimizer("adamw", model)
         sch = T.make_scheduler(opt)
     with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=10, batch_steps=4, policy="fixed",
-                               start_step=start, **kw):
+                               start_step=start, **kw, recovery_every=1, keep_fulls=0):
         for s in range(start, steps):
             T.train_step("mlp", model, opt, sch, s)
     return model, opt, sch

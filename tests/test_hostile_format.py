@@ -100,7 +100,7 @@ def _fresh(seed=0):
 
 def _checkpoint(uri, steps=9):
     model, opt = _fresh()
-    with ray_ckpt.Checkpointer(uri, model, opt, full_every=5, batch_steps=2):
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=5, batch_steps=2, recovery_every=1, keep_fulls=0):
         for s in range(steps):
             T.train_step("mlp", model, opt, None, s)
 

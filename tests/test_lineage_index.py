@@ -235,7 +235,7 @@ def test_local_writer_rolls_the_index_and_restore_uses_it(tmp_path):
     from ray_ckpt.storage import open_storage
 
     uri = str(tmp_path / "ck")
-    model, opt = _train(dict(full_every=6, batch_steps=2), uri, 15)
+    model, opt = _train(dict(full_every=6, batch_steps=2, recovery_every=1, keep_fulls=0), uri, 15)
     storage = open_storage(uri)
     assert storage.exists(INDEX_KEY)
     _, _, indexed = lineage_index.decode_index(storage.read(INDEX_KEY))

@@ -17,7 +17,7 @@ def _run(tmp_path, kind="mlp", opt_kind="adamw", steps=60, full_every=25, batch_
     uri = str(tmp_path / "ckpt")
     live = {0: T.snapshot(model, opt, sch)}
     with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=full_every,
-                               batch_steps=batch_steps, **kw) as ck:
+                               batch_steps=batch_steps, **kw, recovery_every=1, keep_fulls=0) as ck:
         for s in range(steps):
             T.train_step(kind, model, opt, sch, s, reseed=reseed)
             live[s + 1] = T.snapshot(model, opt, sch)
@@ -59,7 +59,7 @@ def test_continue_after_restore_matches_uninterrupted(tmp_path, kind, stop):
     opt2 = T.make_optimizer("adamw", model2)
     sch2 = T.make_scheduler(opt2, total=60)
     assert ray_ckpt.restore(uri, model2, opt2, scheduler=sch2) == stop
-    with ray_ckpt.Checkpointer(uri, model2, opt2, scheduler=sch2, full_every=25, batch_steps=7) as ck:
+    with ray_ckpt.Checkpointer(uri, model2, opt2, scheduler=sch2, full_every=25, batch_steps=7, recovery_every=1, keep_fulls=0) as ck:
         assert ck.step == stop  # numbering continues from the restored step
         for s in range(stop, 60):
             T.train_step(kind, model2, opt2, sch2, s, reseed=False)
@@ -91,7 +91,7 @@ def test_extra_state_rng_and_scheduler_restored(tmp_path):
     data = _DataPos()
     seen = {}
     with ray_ckpt.Checkpointer(tmp_path, model, opt, scheduler=sch, extra_state=data, full_every=10,
-                               batch_steps=3) as ck:
+                               batch_steps=3, recovery_every=1, keep_fulls=0) as ck:
         for s in range(15):
             data.pos += 8
             T.train_step("mlp", model, opt, sch, s)
@@ -117,7 +117,7 @@ def test_python_rng_restored_when_the_loop_draws_from_it_only_now_and_then(tmp_p
     opt = T.make_optimizer("adamw", model)
     random.seed(1234)
     seen = {}
-    with ray_ckpt.Checkpointer(tmp_path, model, opt, full_every=100, batch_steps=4):
+    with ray_ckpt.Checkpointer(tmp_path, model, opt, full_every=100, batch_steps=4, recovery_every=1, keep_fulls=0):
         for s in range(12):
             if s in (4, 8, 9):
                 random.random()           # the loop draws at these steps only
@@ -186,7 +186,7 @@ def test_topk_diff_bytes_are_a_small_fraction(tmp_path):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         data = ByteBatches(stdlib_corpus(1 << 20), 64, 4)
         steps = 6
-        with ray_ckpt.Checkpointer(tmp_path / "ck", ddp, opt, full_every=steps, batch_steps=steps) as ck:
+        with ray_ckpt.Checkpointer(tmp_path / "ck", ddp, opt, full_every=steps, batch_steps=steps, recovery_every=1, keep_fulls=0) as ck:
             for s in range(steps):
                 x, y = data.get(s)
                 opt.zero_grad()
@@ -212,7 +212,7 @@ def test_recycled_capture_buffers_keep_every_step_exact(tmp_path):
     opt = T.make_optimizer("adamw", model)
     uri = str(tmp_path / "ckpt")
     live = {0: T.snapshot(model, opt)}
-    with ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, batch_steps=2) as ck:
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, batch_steps=2, recovery_every=1, keep_fulls=0) as ck:
         packed = ck._capture._packed_pool
         assert packed is not None
         for s in range(40):
@@ -239,7 +239,7 @@ def test_recycled_full_buffers_keep_every_full_exact(tmp_path):
     opt = T.make_optimizer("adamw", model)
     uri = str(tmp_path / "ckpt")
     live = {0: T.snapshot(model, opt)}
-    with ray_ckpt.Checkpointer(uri, model, opt, full_every=2, batch_steps=1) as ck:
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=2, batch_steps=1, recovery_every=1, keep_fulls=0) as ck:
         for s in range(12):
             T.train_step("mlp", model, opt, None, s)
             live[s + 1] = T.snapshot(model, opt)
@@ -335,7 +335,7 @@ def test_a_lineage_checksummed_with_crc32_restores_and_continues(tmp_path, monke
         assert got == s
         T.assert_same(live[s], T.snapshot(model, opt, sch), f"crc32 lineage step {s}")
     got, model, opt, sch = _restore(uri, "mlp", "adamw", None)
-    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=25, batch_steps=4) as ck:
+    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=25, batch_steps=4, recovery_every=1, keep_fulls=0) as ck:
         for s in range(30, 40):
             T.train_step("mlp", model, opt, sch, s)
         assert ck.step == 40

@@ -15,7 +15,7 @@ def test_save_restore_bit_exact_on_each_backend(storage_uri):
     sch = T.make_scheduler(opt, total=30)
     live = {}
     with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=10, batch_steps=4,
-                               storage_options=options):
+                               storage_options=options, recovery_every=1, keep_fulls=0):
         for s in range(23):
             T.train_step("gpt", model, opt, sch, s)
             live[s + 1] = T.snapshot(model, opt, sch)
@@ -32,7 +32,7 @@ def test_corruption_detected_on_each_backend(storage_uri):
     uri, options = storage_uri
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
-    with ray_ckpt.Checkpointer(uri, model, opt, full_every=10, batch_steps=4, storage_options=options):
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=10, batch_steps=4, storage_options=options, recovery_every=1, keep_fulls=0):
         for s in range(7):
             T.train_step("mlp", model, opt, None, s)
     store = open_storage(uri, **options)

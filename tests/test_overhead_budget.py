@@ -578,7 +578,7 @@ def test_pinned_every_k_full_asked_at_an_unrecorded_step_keeps_its_loop_state(tm
         states[s + 1] = (T.snapshot(ref, ref_opt), torch.get_rng_state())
     m = T.make_model("mlp_do")
     opt = T.make_optimizer("adamw", m)
-    with ray_ckpt.Checkpointer(uri, m, opt, recovery_every=5, extra_state=pos) as ck:
+    with ray_ckpt.Checkpointer(uri, m, opt, recovery_every=5, extra_state=pos, keep_fulls=0) as ck:
         assert (ck.budget.mode, ck.budget.k, ck.budget.recording) == ("every_k", 5, False)
         asks = iter([False] * 6 + [True])     # asked once, at step 7's finalization (unrecorded, no loop state)
         ck._capture._full_control = lambda: (False, next(asks, False))

@@ -23,6 +23,7 @@ def _run(uri, steps=STEPS, **kw):
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
+    kw = {"recovery_every": 1, **kw}   # every step recorded: the retained steps are every step of their chains
     with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=2, **kw) as ck:
         for s in range(steps):
             T.train_step("mlp", model, opt, sch, s)
