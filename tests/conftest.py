@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.ray_cluster import ray_cluster  # noqa: F401 - the session's multi-node Ray cluster
+from tests.ray_cluster import close_leftovers, ray_cluster  # noqa: F401 - the session's multi-node Ray cluster
 
 # The suite was written when a lineage kept every step (keep_fulls=0 was the default): many tests restore or list
 # steps older than the two newest fulls that the default now keeps. They run with keep_fulls=0, set here before
@@ -61,6 +61,25 @@ def pytest_configure(config):
 
 
 _RELIABILITY_DIR = Path(__file__).resolve().parent / "reliability"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A ``ray`` test that leaves a Checkpointer open (a failed assertion before ``close()``) must not leave its
+    sender thread talking to the session's cluster into the next tests and past the session's Ray shutdown: what it
+    opened and left open is closed right after it ran (before its fixtures' teardown, e.g. ``shutdown_run``, while
+    the run's actors still answer) and named in a warning. Cheap: a set of weak references before and after."""
+    if item.get_closest_marker("ray") is None:
+        yield
+        return
+    import weakref
+    from ray_ckpt.engine.attachment import open_attachments
+    before = weakref.WeakSet(open_attachments())
+    yield
+    left = [a for a in open_attachments() if a not in before]
+    if left:
+        item.warn(pytest.PytestWarning(f"{item.nodeid} left {len(left)} Checkpointer(s) open; closed them: "
+                                       f"{'; '.join(close_leftovers(left))}"))
 
 
 def pytest_collection_modifyitems(config, items):
