@@ -6,9 +6,12 @@ while they attach; whatever was taken is released, newest first, whether the att
 (:meth:`Attachment.releasing_on_error`), the loop ends (:meth:`Attachment.close`) or the owner is collected
 (:meth:`Attachment.release`). Runs in the training process (the owner's thread); no Ray.
 
-Every attachment not released yet is listed by :func:`open_attachments` (weakly: an owner that is collected
-releases its own), so that a harness can close what a failed or careless caller left running — the test suite
-does, naming the owner, before it shuts Ray down.
+Every attachment not released yet is listed by :func:`open_attachments`, so that a harness can close what a
+failed or careless caller left running — the test suite does, naming the owner, before it shuts Ray down. The
+list holds weak references, and still finds every Checkpointer left open: one its caller dropped stays alive
+while its optimizer does (the capture's hooks lead back to it), and one that is collected released its attachment
+(``Checkpointer.__del__``). A collected :class:`~ray_ckpt.engine.rankloop.RankLoopRecorder` (no ``__del__``)
+leaves the list while its writer thread ends only with the process.
 """
 from __future__ import annotations
 
@@ -24,10 +27,9 @@ _OPEN: "weakref.WeakSet[Attachment]" = weakref.WeakSet()
 
 
 def open_attachments() -> list["Attachment"]:
-    """The attachments of this process that hold something and were not released yet, each naming its owner
-    (:attr:`Attachment.owner`). Only live ones: an owner collected without ``close()`` releases its own
-    (``Checkpointer.__del__``). For a harness that must leave nothing running (a sink's thread, a drain watch)
-    when a caller did not close: it calls :meth:`Attachment.release` on each. Any thread."""
+    """The attachments of this process not released yet, each naming its owner (:attr:`Attachment.owner`): live
+    ones only (see the module docstring). For a harness that must leave nothing running (a sink's thread, a drain
+    watch) when a caller did not close: it calls :meth:`Attachment.release` on each. Any thread."""
     return [a for a in list(_OPEN) if not a.closed]
 
 
