@@ -123,7 +123,7 @@ class Checkpointer:
         if getattr(optimizer, ATTACHED_ATTR, None) is not None:   # before anything is acquired
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
         self._feed: CommitFeed | None = None
-        self._att = Attachment()
+        self._att = Attachment(owner=f"Checkpointer of {self.uri} (runtime={self.runtime})")
         #: seconds of this attach's phases; the overhead budget's choice (None on a non-writing HSDP replica)
         self.startup: dict = {}
         self.budget: BudgetPolicy | None = None
@@ -176,7 +176,7 @@ class Checkpointer:
             t3 = time.perf_counter()
             self.startup["first_full"] = t3 - t1
             self.startup["first_full.wait_safe"] = t3 - t2
-        self._drain_watch = _watch_drains(self.runtime, self._sink)
+        self._att.hold_watch(_watch_drains(self.runtime, self._sink))   # stopped on release, even by __del__
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.uri, self.generation, start_step)
 
     def _follow_replica(self, optimizer, run, start_step: int) -> None:
@@ -252,11 +252,8 @@ class Checkpointer:
         self._att.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush, detach the hooks, stop the writer and release the lease (each even when an earlier one
-        fails). Idempotent."""
-        watch = getattr(self, "_drain_watch", None)
-        if watch is not None:
-            watch.stop()
+        """Flush, stop the drain watch, detach the hooks, stop the writer and release the lease (each even when
+        an earlier one fails). Idempotent."""
         self._att.close(timeout)
 
     def preempted(self) -> dict | None:

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.ray_cluster import ray_cluster  # noqa: F401 - the session's multi-node Ray cluster
+from tests.ray_cluster import close_leftovers, ray_cluster  # noqa: F401 - the session's multi-node Ray cluster
 
 # The suite runs the defaults users get (the overhead budget, keep_fulls=2): a test that needs another setting
 # (every step recorded, every step kept, a pinned granularity) sets it in its own code, never here.
@@ -55,6 +55,25 @@ def pytest_configure(config):
 
 
 _RELIABILITY_DIR = Path(__file__).resolve().parent / "reliability"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A ``ray`` test that leaves a Checkpointer open (a failed assertion before ``close()``) must not leave its
+    sender thread talking to the session's cluster into the next tests and past the session's Ray shutdown: what it
+    opened and left open is closed right after it ran (before its fixtures' teardown, e.g. ``shutdown_run``, while
+    the run's actors still answer) and named in a warning. Cheap: a set of weak references before and after."""
+    if item.get_closest_marker("ray") is None:
+        yield
+        return
+    import weakref
+    from ray_ckpt.engine.attachment import open_attachments
+    before = weakref.WeakSet(open_attachments())
+    yield
+    left = [a for a in open_attachments() if a not in before]
+    if left:
+        item.warn(pytest.PytestWarning(f"{item.nodeid} left {len(left)} Checkpointer(s) open; closed them: "
+                                       f"{'; '.join(close_leftovers(left))}"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,14 +5,32 @@ A :class:`~ray_ckpt.Checkpointer` and a :class:`~ray_ckpt.engine.rankloop.RankLo
 while they attach; whatever was taken is released, newest first, whether the attach fails halfway
 (:meth:`Attachment.releasing_on_error`), the loop ends (:meth:`Attachment.close`) or the owner is collected
 (:meth:`Attachment.release`). Runs in the training process (the owner's thread); no Ray.
+
+Every attachment not released yet is listed by :func:`open_attachments`, so that a harness can close what a
+failed or careless caller left running — the test suite does, naming the owner, before it shuts Ray down. The
+list holds weak references, and still finds every Checkpointer left open: one its caller dropped stays alive
+while its optimizer does (the capture's hooks lead back to it), and one that is collected released its attachment
+(``Checkpointer.__del__``). A collected :class:`~ray_ckpt.engine.rankloop.RankLoopRecorder` (no ``__del__``)
+leaves the list while its writer thread ends only with the process.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Iterator
 
 log = logging.getLogger("ray_ckpt")
+
+#: the attachments of this process not released yet (weak references: see open_attachments)
+_OPEN: "weakref.WeakSet[Attachment]" = weakref.WeakSet()
+
+
+def open_attachments() -> list["Attachment"]:
+    """The attachments of this process not released yet, each naming its owner (:attr:`Attachment.owner`): live
+    ones only (see the module docstring). For a harness that must leave nothing running (a sink's thread, a drain
+    watch) when a caller did not close: it calls :meth:`Attachment.release` on each. Any thread."""
+    return [a for a in list(_OPEN) if not a.closed]
 
 
 class Attachment:
@@ -22,13 +40,16 @@ class Attachment:
     thread stops (after handling what it was given), then the lease is released. Every step runs even when an
     earlier one raises; releasing twice does nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str = "") -> None:
         self.sink: Any = None
         self.capture: Any = None
         self.lease: Any = None
         self.closed = False
+        #: who holds it, in words (e.g. ``"Checkpointer of file:///ckpt (runtime=ray)"``): names it in reports
+        self.owner = owner
         self._stack = contextlib.ExitStack()
         self._timeout: float | None = None
+        _OPEN.add(self)
 
     def take_lease(self, lease, *, takeover: bool = False):
         """Acquire ``lease`` (a :class:`~ray_ckpt.engine.lease.Lease`; raises LeaseError naming the holder)
@@ -50,6 +71,13 @@ class Attachment:
         self.capture = capture
         self._stack.callback(capture.detach)
         return capture
+
+    def hold_watch(self, watch):
+        """Hold ``watch`` (a drain watch of the sink, anything with ``stop()``; None: nothing): stopped on
+        release, before the sink closes. Returns it."""
+        if watch is not None:
+            self._stack.callback(watch.stop)
+        return watch
 
     @contextlib.contextmanager
     def releasing_on_error(self) -> Iterator["Attachment"]:
@@ -86,5 +114,6 @@ class Attachment:
         if self.closed:
             return
         self.closed = True
+        _OPEN.discard(self)
         self._timeout = timeout
         self._stack.close()

@@ -6,7 +6,8 @@ increments below ``tiers/amber/`` (:mod:`ray_ckpt.engine.amber_tier`).
 The selection is the coordinator's (:func:`ray_ckpt.lineage.gc_cutoff` / :func:`~ray_ckpt.lineage.collectable`),
 so ``ray-ckpt gc`` and ``keep_fulls`` of a running job agree. Safe next to a running writer: only chains
 older than the kept fulls are touched, and new objects are always newer than the newest full. The lineage
-index is rewritten without the deleted manifests (readers that still see a stale one relist).
+index is rewritten without the deleted manifests (readers that still see a stale one relist), and the lineage's
+retention record (:mod:`ray_ckpt.lineage.retention`) says which steps were removed, written before they go.
 
 Runs in the calling process (CLI, tests); no Ray.
 """
@@ -24,6 +25,7 @@ from ray_ckpt.engine.rankloop import MAIN_GENERATION, rank_storage
 from ray_ckpt.lineage import Manifest, collectable, gc_cutoff
 from ray_ckpt.lineage.layout import INDEX_KEY, OBJECTS_DIR, OBJECT_SUFFIX, RANKS_DIR, parse_name
 from ray_ckpt.lineage import index as lineage_index
+from ray_ckpt.lineage import retention
 from ray_ckpt.storage import ObjectNotFound
 
 log = logging.getLogger("ray_ckpt")
@@ -70,6 +72,8 @@ def collect(storage, keep_fulls: int, *, dry_run: bool = False,
     out.tier_deleted = amber_tier.garbage(storage, lineage, cutoff)
     if dry_run or (out.count == 0 and not out.orphans):
         return out
+    # what is removed, before it goes (a restore of those steps says retention removed them)
+    retention.note(storage, keep_fulls, cutoff, out.deleted, by=retention.BY_CLI)
     tier = amber_tier.tier_storage(storage)
     jobs = ([(tier, m) for m in out.tier_deleted] + [(storage, m) for m in out.deleted]
             + [(ranks[r][0], m) for r, ms in out.rank_deleted.items() for m in ms])

@@ -5,10 +5,12 @@ exactly this and nothing of the tensor side: they import neither torch nor the c
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 from ray_ckpt.lineage import MANIFESTS_DIR, Lineage, Manifest, ManifestError
 from ray_ckpt.lineage import index as lineage_index
+from ray_ckpt.lineage import retention
 from ray_ckpt.lineage.layout import INDEX_KEY
 from ray_ckpt.storage import ObjectNotFound, StorageError
 
@@ -21,7 +23,8 @@ def load_lineage(storage, *, strict: bool = True, use_index: bool = True) -> tup
 
     With ``use_index`` the lineage index (:mod:`ray_ckpt.lineage.index`) is read first and only the manifests
     committed after it are listed and read: a bounded number of requests however long the run. Without an
-    index (or with a broken one) every manifest is listed and read."""
+    index (or with a broken one) every manifest is listed and read. The lineage's retention record
+    (:mod:`ray_ckpt.lineage.retention`) is read only if a step asked for is not recoverable, to say why."""
     if use_index:
         got = _load_indexed(storage, strict)
         if got is not None:
@@ -42,7 +45,7 @@ def _load_listed(storage, keys, strict: bool, manifests: list) -> tuple[Lineage,
             if strict:
                 raise
             bad.append(key)
-    return Lineage(_dedupe(manifests)), bad
+    return Lineage(_dedupe(manifests), retention=functools.partial(retention.read, storage)), bad
 
 
 def _dedupe(manifests: list) -> list:

@@ -71,7 +71,7 @@ class RankLoopRecorder:
         self.generation = lineage.next_generation()
         self.main_generation = main_generation
         impl = LoopImpl(LoopOnly())
-        self._att = Attachment()
+        self._att = Attachment(owner=f"RankLoopRecorder of rank {rank} of {self.storage.describe()}")
         with self._att.releasing_on_error():
             sink = self._att.hold_sink(AsyncWriter(
                 self.storage, self.generation, impl, max_pending_bytes=max_pending_bytes,

@@ -120,7 +120,7 @@ def resolve_and_load(storage, step: int | None, *, fallback: bool,
         return chain
     excluded: set[str] = set()
     while True:
-        lin = Lineage(lineage.manifests, exclude=excluded)
+        lin = Lineage(lineage.manifests, exclude=excluded, retention=lineage.retention)
         if step is None or not fallback:
             plan = lin.resolve(step)
         else:

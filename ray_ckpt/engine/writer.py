@@ -28,6 +28,7 @@ from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Lineage, Manifest, collectable, diff_name, full_name, gc_cutoff, object_key
 from ray_ckpt.lineage import index as lineage_index
+from ray_ckpt.lineage import retention
 from ray_ckpt.storage.retry import PermanentStorageError, RetryBudgetExceeded, RetryPolicy
 from ray_ckpt.storage.base import ObjectNotFound
 from ray_ckpt.engine.lease import LeaseLost
@@ -477,10 +478,13 @@ class AsyncWriter(BoundedSink):
         current timeline (the coordinator's rule, :func:`ray_ckpt.lineage.gc_cutoff`), and abandoned branches.
         A failure is logged, never raised: garbage collection must not stop checkpointing."""
         lin = Lineage(self._index)
-        doomed = [m for m in self._index if collectable(lin, m, gc_cutoff(lin, self.keep_fulls))]
+        cutoff = gc_cutoff(lin, self.keep_fulls)
+        doomed = [m for m in self._index if collectable(lin, m, cutoff)]
         if not doomed:
             return False
         try:
+            # what is removed, before it goes (a restore of those steps says retention removed them)
+            retention.note(self.storage, self.keep_fulls, cutoff, doomed)
             lineage_index.delete_committed(self.storage, doomed, missing=(ObjectNotFound,))
         except Exception as e:  # noqa: BLE001
             log.warning("ray_ckpt: garbage collection failed (%s); it is retried after the next full", e)

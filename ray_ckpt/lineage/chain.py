@@ -17,6 +17,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
+from ray_ckpt.lineage import unrecoverable
 from ray_ckpt.lineage.manifest import Manifest
 
 
@@ -39,9 +40,14 @@ class Plan:
 
 
 class Lineage:
-    """An immutable view over committed manifests. Built from a listing; cheap to rebuild."""
+    """An immutable view over committed manifests. Built from a listing; cheap to rebuild.
 
-    def __init__(self, manifests: Iterable[Manifest], exclude: Iterable[str] = ()):
+    ``retention``: what garbage collection removed from the lineage (:class:`ray_ckpt.lineage.retention.
+    Retention`), or a function without arguments that reads it (called at most once, and only to explain a step
+    that is not recoverable), or None: a restore of a removed step then says it was removed by retention."""
+
+    def __init__(self, manifests: Iterable[Manifest], exclude: Iterable[str] = (), retention=None):
+        self.retention = retention
         excl = set(exclude)
         self.manifests: list[Manifest] = sorted(
             (m for m in manifests if not excl or m.name not in excl),
@@ -225,9 +231,18 @@ class Lineage:
             if self.reaches(gen, step):
                 return self._plan(gen, step)
             break  # the newest generation that started at or before `step` does not hold it
-        head = self.head()
-        raise NoCheckpointError(f"step {step} is not recoverable on the current timeline "
-                                f"(latest recoverable step: {head})")
+        raise NoCheckpointError(self.why_not(step))
+
+    def why_not(self, step: int) -> str:
+        """Why ``step`` is not recoverable, in words (:mod:`ray_ckpt.lineage.unrecoverable`): removed by retention,
+        left unrecorded by the overhead budget, or neither. Reads the retention record when it was given as a
+        function (once per view)."""
+        if callable(self.retention):
+            try:
+                self.retention = self.retention()
+            except Exception:  # noqa: BLE001 - an unreadable record explains nothing: the plain message
+                self.retention = None
+        return unrecoverable.explain(self, step, self.retention)
 
     def latest_at_or_before(self, step: int) -> int | None:
         """The newest recoverable step at or before ``step`` on the current timeline (None: none). A step the

@@ -7,9 +7,10 @@
 numbers, so a sorted listing is in step order. A *generation* is one attach of a Checkpointer to the root;
 a later generation supersedes earlier ones from its start step on (a resumed or branched run).
 
-Next to them, under the same root: the lineage index and the policy report (``lineage/``), the writer lease, the
-loop-state lineages of ranks > 0 (``ranks/``), the shard lineages of sharded state (``shards/``) and the Amber tier
-(``tiers/amber/``); each of those sub-lineages names its objects and manifests as above. Two names here are not
+Next to them, under the same root: the lineage index, the retention record and the policy report (``lineage/``),
+the writer lease, the loop-state lineages of ranks > 0 (``ranks/``), the shard lineages of sharded state
+(``shards/``) and the Amber tier (``tiers/amber/``); each of those sub-lineages names its objects and manifests as
+above. Two names here are not
 keys under the root: the description file of an export directory, and the tag in the name of a shard run.
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ FORMAT_VERSION = 2
 
 #: the lineage index: the committed manifests rolled up into one object (:mod:`ray_ckpt.lineage.index`)
 INDEX_KEY = "lineage/index.json"
+#: what garbage collection (``keep_fulls``, ``ray-ckpt gc``) removed: written before it deletes anything, read when
+#: a restore asks for a step that is gone (:mod:`ray_ckpt.lineage.retention`)
+RETENTION_KEY = "lineage/retention.json"
 #: the adaptive policy's latest report (:mod:`ray_ckpt.policy.adaptive`; ``ray-ckpt inspect`` shows it)
 POLICY_REPORT_KEY = "lineage/policy.json"
 #: the lineage's writer lease (:mod:`ray_ckpt.engine.lease`)

@@ -26,6 +26,7 @@ driver-side callback, tests).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -46,6 +47,7 @@ from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.placement import prefer_node
 from ray_ckpt.lineage import drains as drain_records
+from ray_ckpt.lineage import retention
 
 log = logging.getLogger("ray_ckpt")
 
@@ -252,8 +254,10 @@ class Coordinator:
         alive = None if durable_only else self._alive_nodes(max_age)
         cpu0 = time.thread_time()   # the view's own cost (ray.nodes() has its own cache)
         counts = None
+        # a step a plan cannot reach is explained from the retention record (read only then)
+        removed = functools.partial(retention.read, self.storage)
         if alive is None:
-            lin = Lineage([e.manifest for e in self.entries.values() if e.durable])
+            lin = Lineage([e.manifest for e in self.entries.values() if e.durable], retention=removed)
         else:
             ms, held, twice = [], 0, 0
             for e in self.entries.values():
@@ -262,7 +266,7 @@ class Coordinator:
                 twice += live >= 2
                 if e.durable or live:
                     ms.append(e.manifest)
-            lin, counts = Lineage(ms), (held, twice)
+            lin, counts = Lineage(ms, retention=removed), (held, twice)
         lin.head()   # the sweep every periodic caller needs, timed with the build (the view keeps its result)
         self._views[durable_only] = (now, time.thread_time() - cpu0, lin)
         if counts is not None:
@@ -936,6 +940,8 @@ class Coordinator:
         doomed = [e for e in self.entries.values() if collectable(lin, e.manifest, cutoff)]
         if not doomed:
             return []
+        # what is removed, before it goes (a restore of those steps says retention removed them)
+        retention.note(self.storage, keep_fulls, cutoff, [e.manifest for e in doomed])
         deleted = []
         for e in doomed:
             m = e.manifest

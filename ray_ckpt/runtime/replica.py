@@ -52,6 +52,26 @@ def _none_answer() -> None:
     return None
 
 
+def resets(full: Manifest, at: tuple[int, int] | None, pending: tuple[int, int] | None) -> bool:
+    """Whether a trainer's ``full`` fed to the replica restarts it from that full: when it is of a newer
+    generation than the replica's state ``at`` (``(generation, step)``; None: no usable state) or ahead of it
+    (a full after a gap), and newer than the full a restart is already pending from (``pending``, same form).
+
+    Feeds do not arrive in the order the worker sent them: the actor runs up to ``max_concurrency`` calls at
+    once, and after a restart Ray delivers the calls sent meanwhile in one burst. A reset drops the queued chunks
+    up to its full, so an older full arriving after a newer one must not replace the newer pending reset: the
+    replica would restart from the older full with the chunks after it already dropped, behind the trainer
+    with nothing queued, and wait for chunks that never come. Pure; called in :meth:`ReplicaActor.feed`."""
+    key = _key(full)
+    if pending is not None and key <= pending:
+        return False
+    return at is None or full.generation > at[0] or (full.generation == at[0] and full.last_step > at[1])
+
+
+def _key(m: Manifest) -> tuple[int, int]:
+    return m.generation, m.last_step
+
+
 class ReplicaActor:
     def __init__(self, run: str, storage, full_every: int, max_lag: int):
         self.run = run
@@ -66,6 +86,8 @@ class ReplicaActor:
         self._cv = threading.Condition()
         self._queue: dict[int, tuple[Manifest, object]] = {}   # first_step -> chunk of the current generation
         self._reset: tuple[Manifest, object] | None = None
+        #: ``(generation, step)`` of the full the replica thread is restarting from (None: none)
+        self._resetting: tuple[int, int] | None = None
         # a restarted replica catches up from the lineage; a new one is fed the attach full
         self._rebuild = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self._stats = {"applied_steps": 0, "apply_seconds": 0.0, "fulls_written": 0, "full_seconds": 0.0,
@@ -88,13 +110,12 @@ class ReplicaActor:
         m = Manifest.from_json(manifest_json)
         with self._cv:
             if m.kind == "full":
-                newer_gen = self.generation is None or m.generation > self.generation
                 if m.info.get("computed_on") == "replica":
                     return
-                if newer_gen or self.shadow is None or not self.ok or m.last_step > self.shadow.step:
-                    if m.generation == self.generation and self.shadow is not None and self.ok \
-                            and m.last_step > self.shadow.step:
-                        pass  # a trainer full ahead of us (after a gap): restart from it
+                at = None if self.shadow is None or not self.ok else (self.generation, self.shadow.step)
+                # the newest full a restart is pending from or under way from
+                pending = max([k for k in (self._resetting, self._reset and _key(self._reset[0])) if k], default=None)
+                if resets(m, at, pending):
                     self._reset = (m, refs[0])
                     self._queue = {k: v for k, v in self._queue.items() if v[0].generation == m.generation
                                    and v[0].last_step > m.last_step}
@@ -190,6 +211,7 @@ class ReplicaActor:
                 job = None
                 if self._reset is not None:
                     job, self._reset = ("reset", self._reset), None
+                    self._resetting = _key(job[1][0])
                 elif self.shadow is not None and self.ok and (self.shadow.step + 1) in self._queue:
                     job = ("apply", self._queue.pop(self.shadow.step + 1))
                 elif self.shadow is not None and self.ok:
@@ -227,6 +249,9 @@ class ReplicaActor:
                 with self._cv:
                     self.shadow = None
                     self._fail_locked(f"{type(e).__name__}: {e}")
+            if job[0] == "reset":
+                with self._cv:
+                    self._resetting = None
             if job[0] == "rebuild":
                 time.sleep(0.5)
 
