@@ -1,7 +1,8 @@
 """A restore of a step that is not recoverable says why: removed by retention (naming ``keep_fulls`` and the oldest
 step kept), or never recorded because the overhead budget recorded a full every k steps (naming the recovery
 points around it) — with runtime="local", through the Ray coordinator's plan, and in the CLI. Each test sets the
-knobs it needs (tests/conftest.py runs the suite with keep_fulls=0 and overhead_budget=0)."""
+knobs it needs: every step recorded (``recovery_every=1``) or a full every k steps (``recovery_every=k``, what the
+overhead budget chooses when recording every step costs too much)."""
 from __future__ import annotations
 
 import re
@@ -20,8 +21,6 @@ from ray_ckpt.storage import open_storage
 from tests import _training as T
 
 STEPS, FULL_EVERY, K = 30, 10, 5
-#: a budget the every-k state below is pinned under (BudgetPolicy.resume accepts a state of the same budget)
-BUDGET = 0.05
 
 
 def _train(ck, model, opt, sch, steps=STEPS):
@@ -41,18 +40,10 @@ def _restore(uri, step, **kw):
     return ray_ckpt.restore(uri, m, o, scheduler=T.make_scheduler(o), step=step, **kw)
 
 
-def _every_k(ck, k=K):
-    """Pin ``ck``'s overhead budget to a full every ``k`` steps from its attach on: the state a run resumes in
-    (BudgetPolicy.resume), and no measured window can change it (no meter)."""
-    ck._capture.meter = None
-    state = {"mode": "every_k", "k": k, "budget": BUDGET, "step_cost": 1.0, "full_cost": 0.001, "base_s": 0.01}
-    assert ck.budget.resume(state) and not ck.budget.recording
-
-
 RETENTION = re.compile(r"step 17 is not recoverable: steps before 20 were removed by retention \(keep_fulls=2 keeps "
                        r"the chains of the 2 newest fulls; keep_fulls=0 or RAY_CKPT_KEEP_FULLS=0 keeps every step\); "
                        r"the oldest step kept is 20 \(latest recoverable step: 30\)")
-UNRECORDED = re.compile(r"step 17 was not recorded: the overhead budget recorded a full every 5 steps from step 0 on "
+UNRECORDED = re.compile(r"step 17 was not recorded: a full every 5 steps was recorded from step 0 on "
                         r".*the nearest recovery points are step 15 before it and step 20 after it "
                         r"\(latest recoverable step: 30\)")
 
@@ -60,7 +51,8 @@ UNRECORDED = re.compile(r"step 17 was not recorded: the overhead budget recorded
 def test_a_step_removed_by_retention_says_so(tmp_path, capsys):
     uri = str(tmp_path / "ck")
     model, opt, sch = _job()
-    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, keep_fulls=2) as ck:
+    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, keep_fulls=2,
+                               recovery_every=1) as ck:
         _train(ck, model, opt, sch)
     rec = retention.read(open_storage(uri))
     assert (rec.keep_fulls, rec.kept_from, rec.removed_from, rec.by) == (2, 20, 0, retention.BY_SETTING)
@@ -78,7 +70,8 @@ def test_a_step_removed_by_retention_says_so(tmp_path, capsys):
 def test_ray_ckpt_gc_names_itself_as_the_retention(tmp_path, capsys):
     uri = str(tmp_path / "ck")
     model, opt, sch = _job()
-    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, keep_fulls=0) as ck:
+    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, keep_fulls=0,
+                               recovery_every=1) as ck:
         _train(ck, model, opt, sch)
     assert retention.read(open_storage(uri)) is None    # keep_fulls=0: nothing removed, nothing recorded
     assert _restore(uri, 5) == 5
@@ -94,8 +87,7 @@ def test_a_step_the_overhead_budget_left_unrecorded_says_so(tmp_path, capsys):
     uri = str(tmp_path / "ck")
     model, opt, sch = _job()
     with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=1000, keep_fulls=0,
-                               overhead_budget=BUDGET) as ck:
-        _every_k(ck)
+                               recovery_every=K) as ck:
         _train(ck, model, opt, sch)
     fulls = sorted((m.last_step, m.info.get("unrecorded_from")) for m in load_lineage(open_storage(uri))[0].manifests
                    if m.kind == "full")
@@ -119,7 +111,7 @@ def test_unrecorded_and_removed_are_told_from_the_manifests_not_the_numbers():
     diff = Manifest(kind="diff", generation=1, first_step=11, last_step=12, object=object_key(diff_name(1, 11, 12)),
                     nbytes=1, crc32=0)
     lin = Lineage([full(10), diff, full(17, 13), full(22, 18)])
-    assert re.search(r"step 19 was not recorded: the overhead budget recorded a full every 5 steps from step 12 on "
+    assert re.search(r"step 19 was not recorded: a full every 5 steps was recorded from step 12 on "
                      r".*step 17 before it and step 22 after it", lin.why_not(19))
     assert "not recoverable on the current timeline" in lin.why_not(40)
     assert "not recoverable on the current timeline" in lin.why_not(5)       # no record: nothing known removed
@@ -140,7 +132,7 @@ def test_through_the_coordinators_plan(tmp_path, ray_cluster):  # noqa: F811
         uri = str(tmp_path / "kept")
         model, opt, sch = _job()
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=runs[0],
-                                   full_every=FULL_EVERY, keep_fulls=2, replica=False)
+                                   full_every=FULL_EVERY, keep_fulls=2, replica=False, recovery_every=1)
         _train(ck, model, opt, sch)
         ck.flush()
         # the coordinator collects when it hears that the full of step 30 is durable: after flush() returned, soon
@@ -157,8 +149,7 @@ def test_through_the_coordinators_plan(tmp_path, ray_cluster):  # noqa: F811
         uri = str(tmp_path / "every-k")
         model, opt, sch = _job()
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=runs[1], full_every=1000,
-                                   keep_fulls=0, replica=False, overhead_budget=BUDGET)
-        _every_k(ck)
+                                   keep_fulls=0, replica=False, recovery_every=K)
         _train(ck, model, opt, sch)
         ck.flush()
         plan = ray.get(lineages.coordinator(runs[1]).plan.remote(17))

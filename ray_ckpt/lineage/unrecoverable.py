@@ -24,9 +24,9 @@ def explain(lineage, step: int, retention=None) -> str:
     if unrecorded is not None:
         k, since = unrecorded
         every = f"a full every {k} steps" if isinstance(k, int) else "a full every few steps"
-        return (f"step {step} was not recorded: the overhead budget recorded {every} from step {since} on "
-                f"(recording every step did not fit overhead_budget), and the steps between those fulls were never "
-                f"written; {_around(lineage, step, retention)} {head}")
+        return (f"step {step} was not recorded: {every} was recorded from step {since} on (the overhead budget's "
+                f"choice when recording every step did not fit overhead_budget, or recovery_every), and the steps "
+                f"between those fulls were never written; {_around(lineage, step, retention)} {head}")
     if retention is not None and retention.removed(step):
         oldest = _oldest(lineage)
         return (f"step {step} is not recoverable: steps before {retention.kept_from} were removed by retention "
