@@ -33,6 +33,7 @@ def train_loop(config: dict) -> None:
     from tests import _training as T
 
     torch.set_num_threads(1)
+    os.environ.update(config.get("env", {}))   # this worker's ray_ckpt knobs (e.g. RAY_CKPT_RECOVERY_EVERY)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     kind, steps, out = config["kind"], config["steps"], config["out"]
@@ -96,6 +97,7 @@ def continuation_loop(config: dict) -> None:
     from tests import _training as T
 
     torch.set_num_threads(1)
+    os.environ.update(config.get("env", {}))   # this worker's ray_ckpt knobs (e.g. RAY_CKPT_RECOVERY_EVERY)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     iters, out, skips = config["iters"], config["out"], set(config["skips"])

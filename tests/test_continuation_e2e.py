@@ -54,8 +54,10 @@ def uninterrupted(tmp_path_factory, ray_cluster):  # noqa: F811
 # tests/test_exact_resume.py and tests/test_agreed_restore.py
 @pytest.mark.long
 @pytest.mark.parametrize("kill_at", [11, 18])
-def test_killed_rank_recovers_and_every_rank_ends_bitwise_equal(tmp_path, uninterrupted, kill_at):
-    finals, starts = _fit(tmp_path, {"kill_at": kill_at, "kill_rank": 1, "step_sleep": 0.05})
+@pytest.mark.parametrize("recovery_every", [1, 4])       # every step recorded; a full every 4 steps
+def test_killed_rank_recovers_and_every_rank_ends_bitwise_equal(tmp_path, uninterrupted, kill_at, recovery_every):
+    finals, starts = _fit(tmp_path, {"kill_at": kill_at, "kill_rank": 1, "step_sleep": 0.05,
+                                     "env": {"RAY_CKPT_RECOVERY_EVERY": str(recovery_every)}})
     restored = [s for s in starts if s["restored"]]
     assert sorted(s["rank"] for s in restored) == [0, 1], starts        # Ray Train restarted the group once
     assert len({(s["step"], s["pos"]) for s in restored}) == 1, restored  # one step and position for all ranks

@@ -41,7 +41,8 @@ def main() -> None:
         print(json.dumps({"done": start}), flush=True)
         kill_after(rng.uniform(0.0, 0.05))
     ck = ray_ckpt.Checkpointer(cfg["uri"], model, opt, scheduler=sch, runtime="ray", run=cfg["run"],
-                               full_every=cfg["full_every"], batch_steps=1, handoff_delay=0.0)
+                               full_every=cfg["full_every"], batch_steps=1, handoff_delay=0.0,
+                               recovery_every=cfg.get("recovery_every", 1))
     for s in range(start, cfg["steps"]):
         if s == at and where == "step":
             print(json.dumps({"done": s}), flush=True)
