@@ -274,7 +274,7 @@ class Coordinator:
         """A worker's messages, in the order it produced them (one call per report interval per worker: 50 ms
         in a narrow job). A manifest comes as a :class:`Manifest` (workers) or as its JSON bytes (the replica,
         older workers); ``("held_batch", [(manifest, ref, origin), ...])`` is a run of ``held`` messages packed
-        by the worker (:func:`ray_ckpt.runtime.worker.pack_reports`). Returns the report interval the worker
+        by the worker (:func:`ray_ckpt.runtime.reports.pack_reports`). Returns the report interval the worker
         should keep to (:meth:`report_interval`)."""
         for msg in msgs:
             kind = msg[0]

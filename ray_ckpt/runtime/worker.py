@@ -20,8 +20,8 @@ incarnation and the chunks that became safe since the last answer; the sender ke
 safe and sends the unsafe ones again to a restarted worker (a new incarnation holds nothing), so a worker
 restart never opens a hole in the lineage.
 
-Messages to the coordinator (held, durable, released) go through one queue and one thread, in order, batched:
-one actor call per report interval (50 ms, longer in a wide job: the coordinator answers each call with the
+Messages to the coordinator (held, durable, released: :mod:`ray_ckpt.runtime.reports`) go through one queue and
+one thread, in order, batched: one actor call per report interval (50 ms, longer in a wide job: the coordinator answers each call with the
 interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``), not one per step, and none while the
 last one is unanswered (a coordinator that is behind gets fewer, larger calls); they carry the manifests as
 objects (no JSON for the coordinator to parse and validate: the worker validated them on arrival) and no object
@@ -59,6 +59,7 @@ from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import lineages, naming, shared
 from ray_ckpt.runtime.buffers import as_buffers
 from ray_ckpt.runtime.drain import draining_nodes
+from ray_ckpt.runtime.reports import answered_interval, pack_reports  # noqa: F401 - pack_reports: re-exported
 from ray_ckpt.storage.retry import RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
@@ -761,43 +762,6 @@ class PersistenceWorker:
 def _staying(nodes: list[str], draining: dict) -> list[str]:
     """``nodes`` without the draining ones, in the same order (all of them when every one drains)."""
     return [n for n in nodes if n not in draining] or nodes
-
-
-def pack_reports(msgs: list) -> list:
-    """The messages of one update call with every run of consecutive ``held`` messages packed into one
-    ``("held_batch", [(manifest, ref, origin), ...])`` and every run of consecutive ``release`` messages
-    joined into one (the order of all other messages kept: a release still follows the hold it releases).
-    Worker's report thread, and the scale benchmark's simulated nodes."""
-    out: list = []
-    for msg in msgs:
-        kind = msg[0]
-        last = out[-1][0] if out else None
-        if kind == "held":
-            if last == "held_batch":
-                out[-1][1].append(msg[1:])
-            else:
-                out.append(("held_batch", [msg[1:]]))
-        elif kind == "release" and last == "release":
-            out[-1] = ("release", list(out[-1][1]) + list(msg[1]))
-        else:
-            out.append(msg)
-    return [("held",) + o[1][0] if o[0] == "held_batch" and len(o[1]) == 1 else o for o in out]
-
-
-def answered_interval(ref, current: float) -> float:
-    """The report interval the coordinator asked for in its answer to the update call ``ref`` (its answers are
-    ready by the next report in a narrow job), else ``current``. Never waits."""
-    if ref is None:
-        return current
-    try:
-        ready, _ = ray.wait([ref], timeout=0)
-        if ready:
-            got = ray.get(ready[0])
-            if isinstance(got, (int, float)) and got > 0:
-                return min(float(got), 10.0)
-    except Exception:  # noqa: BLE001 - a restarting coordinator: keep the interval
-        pass
-    return current
 
 
 def _reconstructed() -> bool:
