@@ -30,6 +30,9 @@ MIN_CHECK_S = 0.5
 
 
 class GapWatch:
+    """The gap state of one run's lineage: its holes and since when, the hand-offs in flight per node, the
+    declared gaps. Held by the coordinator actor, which calls it in the order above."""
+
     def __init__(self, grace_s: float = GAP_GRACE_S):
         self.grace_s = grace_s
         #: the declared gaps, oldest first: ``{"generation", "first", "last", "time"}`` (``"told"`` once the
