@@ -14,10 +14,10 @@ Self-healing (none of it depends on Ray Train):
 * a worker that restarts (or a node that dies) loses what it held; objects it received that are held by a
   peer only are persisted from the peer at once (:meth:`_heal`), and the training process's sender resends
   what no other node held (it keeps every chunk until it is safe);
-* the steps of the current generation must form an unbroken sequence: a step that no object covers any more,
-  for longer than a short grace period, is a **gap** — logged as a WARNING naming the steps, kept in
-  :meth:`status`, visible on storage as uncovered steps (``ray-ckpt ls``), and closed by asking the trainer
-  for a full checkpoint at its next step (:meth:`control`);
+* the steps of the current generation must form an unbroken sequence: a step that no object covers and no
+  hand-off in flight brings, for longer than a short grace period, is a **gap** (:mod:`ray_ckpt.runtime.gaps`) —
+  logged as a WARNING naming the steps, kept in :meth:`status`, visible on storage as uncovered steps
+  (``ray-ckpt ls``), and closed by asking the trainer for a full checkpoint at its next step (:meth:`control`);
 * the state tier's replica reports its progress (:meth:`replica_progress`); while it is healthy and close
   behind, the trainer takes no full checkpoints (the replica writes them), otherwise the trainer does.
 
@@ -45,6 +45,7 @@ from ray_ckpt.engine.lease import Lease, LeaseLost, describe, read_lease
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import lineages, naming
+from ray_ckpt.runtime.gaps import GapWatch
 from ray_ckpt.runtime.placement import prefer_node
 from ray_ckpt.lineage import drains as drain_records
 from ray_ckpt.lineage import retention
@@ -52,7 +53,6 @@ from ray_ckpt.lineage import retention
 log = logging.getLogger("ray_ckpt")
 
 
-GAP_GRACE_S = 2.0       #: how long a hole in the step sequence may last before it is declared a gap
 #: the periodic figures (control, metrics, gap checks) are recomputed at most once per this many times the CPU
 #: their last computation took: they are linear in the run's objects (36,000 after an hour at 100 steps/s in
 #: 10-step chunks: 0.17 s for status() measured), so their CPU share stays near 1/COST_FACTOR while their age grows
@@ -104,14 +104,11 @@ class Coordinator:
         self.run = run
         self.max_replica_lag = max_replica_lag
         self.replica: _Replica | None = None
-        self.gaps: list[dict] = []
-        self._holes: dict[tuple[int, int], float] = {}   # (gen, step) -> first seen uncovered
+        self.gap_watch = GapWatch()   # holes, hand-offs in flight, declared gaps (see _check_gaps)
         self._want_full: set[int] = set()                # generations whose trainer must take a full now
         self._granularity: dict | None = None           # the overhead budget's state in the latest trainer report
         self._down: list[list] = []                      # [failure time, the next attach's time or None]
         self._running_since: float | None = None         # the trainer's first measured window (its steps began)
-        self._last_gap_check = 0.0
-        self._gap_cost = 0.0          # CPU seconds the last gap check took (see COST_FACTOR)
         #: durable_only -> (when, CPU seconds it took, the view): periodic callers reuse a view (see _lineage)
         self._views: dict[bool, tuple[float, float, Lineage]] = {}
         self._view_counts = (0, 0)    # objects held by a live node, by two or more: counted with the view
@@ -278,16 +275,19 @@ class Coordinator:
         """A worker's messages, in the order it produced them (one call per report interval per worker: 50 ms
         in a narrow job). A manifest comes as a :class:`Manifest` (workers) or as its JSON bytes (the replica,
         older workers); ``("held_batch", [(manifest, ref, origin), ...])`` is a run of ``held`` messages packed
-        by the worker (:func:`ray_ckpt.runtime.worker.pack_reports`). Returns the report interval the worker
+        by the worker (:func:`ray_ckpt.runtime.reports.pack_reports`). Returns the report interval the worker
         should keep to (:meth:`report_interval`)."""
         for msg in msgs:
             kind = msg[0]
-            if kind == "held":
-                _, mjson, ref, origin = msg
-                self._add(self._manifest(mjson), node_id, [ref], False, origin)
-            elif kind == "held_batch":
-                for mjson, ref, origin in msg[1]:
-                    self._add(self._manifest(mjson), node_id, [ref], False, origin)
+            if kind in ("held", "held_batch"):
+                for mjson, ref, origin in (msg[1:],) if kind == "held" else msg[1]:
+                    m = self._manifest(mjson)
+                    self._add(m, node_id, [ref], False, origin)
+                    self.gap_watch.received(node_id, (m.name,))
+            elif kind == "receiving":   # hand-offs begun: their steps are in flight, not lost
+                self.gap_watch.receiving(node_id, [self._manifest(m) for m in msg[1]])
+            elif kind == "not_received":
+                self.gap_watch.received(node_id, msg[1])
             elif kind == "durable":
                 self.report_durable(msg[1], msg[2])
             elif kind == "release":
@@ -469,37 +469,31 @@ class Coordinator:
 
     # -- gaps ------------------------------------------------------------------------------------------------------
     def _check_gaps(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_gap_check < max(0.5, COST_FACTOR * self._gap_cost):
+        """Declare lost the steps of the current generation that no object covers and no hand-off in flight to
+        a live node brings, past the grace period (:class:`~ray_ckpt.runtime.gaps.GapWatch` decides): logged,
+        kept for :meth:`status`, told to the trainer with a full asked of it (:meth:`control`)."""
+        watch, now = self.gap_watch, time.monotonic()
+        if not watch.due(now, force, COST_FACTOR):
             return
-        self._last_gap_check = now
         cpu0 = time.thread_time()
         gen = self._last_generation
         holes = Lineage([e.manifest for e in self.entries.values() if e.manifest.generation == gen]
                         ).uncovered_steps(gen)
-        self._gap_cost = time.thread_time() - cpu0
+        watch.cost = time.thread_time() - cpu0
         floor = self._durable_floor(gen)
         if floor is not None:
             holes = [s for s in holes if s > floor]
-        current = {(gen, s) for s in holes}
-        for key in list(self._holes):
-            if key not in current:
-                del self._holes[key]
-        for key in current:
-            self._holes.setdefault(key, now)
-        known = {(g["generation"], s) for g in self.gaps for s in range(g["first"], g["last"] + 1)}
-        new = sorted(s for (g, s), t0 in self._holes.items() if now - t0 >= GAP_GRACE_S and (g, s) not in known)
+        new = watch.overdue(gen, holes, now, self._alive_nodes(1.0) if watch.arriving() else None)
         if not new:
             return
         if not force:   # before calling it a gap: commits whose reports a dead worker never sent
             self._refresh_durable()
             self._check_gaps(force=True)
             return
-        for first, last in _runs(new):
-            self.gaps.append({"generation": gen, "first": first, "last": last, "time": time.time()})
+        for first, last in watch.declare(gen, new, time.time()):
             log.warning("ray_ckpt coordinator: run %r lost steps %d..%d of generation %d (held nowhere, not "
-                        "durable): they cannot be restored; asking the trainer for a full checkpoint now",
-                        self.run, first, last, gen)
+                        "durable, none in flight): they cannot be restored; asking the trainer for a full "
+                        "checkpoint now", self.run, first, last, gen)
         self._want_full.add(gen)
 
     # -- the state tier --------------------------------------------------------------------------------------------
@@ -537,11 +531,8 @@ class Coordinator:
         self._observe_trainer(trainer)
         want = generation in self._want_full
         self._want_full.discard(generation)
-        gaps = [g for g in self.gaps if g["generation"] == generation and not g.get("told")]
-        for g in gaps:
-            g["told"] = True
         return {"want_full": want, "delegate": self._replica_usable(generation, max_age=1.0),
-                "gaps": [(g["first"], g["last"]) for g in gaps], "draining": dict(self._draining)}
+                "gaps": self.gap_watch.untold(generation), "draining": dict(self._draining)}
 
     def control_many(self, requests: list) -> list:
         """:meth:`control` for several senders in one call: ``requests`` is ``[(run, generation, [trainer
@@ -592,7 +583,8 @@ class Coordinator:
         self._want_full.add(generation)
 
     def drop_node(self, node_id: str) -> list[str]:
-        """Forget what ``node_id`` held; returns names that are now neither durable nor held anywhere."""
+        """Forget what ``node_id`` held and was receiving; returns names now neither durable nor held anywhere."""
+        self.gap_watch.node_reset(node_id)
         lost = []
         for name, e in list(self.entries.items()):
             if e.holders.pop(node_id, None) is not None and not e.holders and not e.durable:
@@ -899,7 +891,7 @@ class Coordinator:
         view_age = time.monotonic() - min(self._views[False][0], self._views[True][0])
         heads = {"recoverable_step": anywhere.head(), "durable_step": durable.head()}
         r = self.replica
-        return {**heads, "objects": len(self.entries), "gaps": list(self.gaps),
+        return {**heads, "objects": len(self.entries), "gaps": list(self.gap_watch.gaps),
                 "replica": None if r is None else {"generation": r.generation, "step": r.step, "node": r.node,
                                                    "ok": r.ok, "reason": r.reason,
                                                    "lag": (heads["recoverable_step"] or 0) - r.step},
@@ -967,16 +959,6 @@ class Coordinator:
 
 
 _remote_cls = None
-
-
-def _runs(steps: list[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s in steps:
-        if out and s == out[-1][1] + 1:
-            out[-1] = (out[-1][0], s)
-        else:
-            out.append((s, s))
-    return out
 
 
 def _union(a: list, b: list) -> list[tuple[int, int]]:

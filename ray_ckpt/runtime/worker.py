@@ -20,8 +20,8 @@ incarnation and the chunks that became safe since the last answer; the sender ke
 safe and sends the unsafe ones again to a restarted worker (a new incarnation holds nothing), so a worker
 restart never opens a hole in the lineage.
 
-Messages to the coordinator (held, durable, released) go through one queue and one thread, in order, batched:
-one actor call per report interval (50 ms, longer in a wide job: the coordinator answers each call with the
+Messages to the coordinator (receiving, held, durable, released: :mod:`ray_ckpt.runtime.reports`) go through one
+queue and one thread, in order, batched: one actor call per report interval (50 ms, longer in a wide job: the coordinator answers each call with the
 interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``), not one per step, and none while the
 last one is unanswered (a coordinator that is behind gets fewer, larger calls); they carry the manifests as
 objects (no JSON for the coordinator to parse and validate: the worker validated them on arrival) and no object
@@ -59,6 +59,7 @@ from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import lineages, naming, shared
 from ray_ckpt.runtime.buffers import as_buffers
 from ray_ckpt.runtime.drain import draining_nodes
+from ray_ckpt.runtime.reports import answered_interval, pack_reports  # noqa: F401 - pack_reports: re-exported
 from ray_ckpt.storage.retry import RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
@@ -168,12 +169,17 @@ class PersistenceWorker:
             self._cv.notify_all()
 
     def _hold(self, m: Manifest, ref, nbytes: int, *, durable: bool, replica: bool, origin: str) -> None:
+        """Hold ``m``'s object and report it ``held``, then wait for room in the memory budget (backpressure).
+        The report is queued first, under the lock: a hold that waits for room while a later chunk passes it is
+        no hole in the coordinator's view, and nothing of it is released before its hold is reported."""
         with self._cv:
             old = self._held.pop(m.name, None)
             if old is not None:
                 self._held_bytes -= old.nbytes
             self._held[m.name] = _Held(m, ref, nbytes, durable, replica, origin)
             self._held_bytes += nbytes
+            self._reports.append(("held", m, None, origin))   # no object ref: a plan asks the holders
+            self._cv.notify_all()
             self._enforce_budget_locked(wait=True)
 
     def _enforce_budget_locked(self, wait: bool) -> None:
@@ -231,15 +237,21 @@ class PersistenceWorker:
     def submit(self, manifest_json: bytes, buffers: list, batch_steps: int = 1, replicate: bool = True) -> dict:
         """Take one encoded chunk from a training process: hold, replicate, forward to the replica, persist.
 
-        Returns ``{"node": node id, "incarnation": id, "safe": [chunk names safe since the last answer]}``."""
+        Returns ``{"node": node id, "incarnation": id, "safe": [chunk names safe since the last answer]}``.
+        Its steps are in flight from the start (``receiving``: the coordinator does not call them lost while a
+        put into a full object store waits and a later chunk is held) until held (or ``not_received``)."""
         m = Manifest.from_json(manifest_json)
-        bufs = shared.resolve(as_buffers(buffers))   # the trainer's shared memory, read in place (copied by the put)
-        nbytes = sum(memoryview(b).nbytes for b in bufs)
-        if nbytes != m.nbytes:
-            raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
-        ref = ray.put(bufs)  # this actor owns the copy (ray.put's _owner is gone since Ray 2.56)
-        self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)
-        self._report(("held", m, None, self.node_id))   # no object ref: a plan asks the holders (holder_refs)
+        self._report(("receiving", [m]))
+        try:
+            bufs = shared.resolve(as_buffers(buffers))   # the trainer's shared memory, read in place (copied by put)
+            nbytes = sum(memoryview(b).nbytes for b in bufs)
+            if nbytes != m.nbytes:
+                raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
+            ref = ray.put(bufs)  # this actor owns the copy (ray.put's _owner is gone since Ray 2.56)
+        except BaseException:
+            self._report(("not_received", [m.name]))
+            raise
+        self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)   # reports it held
         # a coarse full (no record follows it: the overhead budget's every-k mode) is safe once written: no peer
         # copy and no state-tier replica, whose rebuild from it would serve no record (the restore reads it)
         coarse = m.kind == "full" and m.info.get("records_follow") is False
@@ -282,7 +294,6 @@ class PersistenceWorker:
         bufs = as_buffers(value)
         ref = ray.put(bufs)
         self._hold(m, ref, sum(memoryview(b).nbytes for b in bufs), durable=False, replica=True, origin=origin)
-        self._report(("held", m, None, origin))
         self._stats["replicas"] += 1
         return True
 
@@ -761,43 +772,6 @@ class PersistenceWorker:
 def _staying(nodes: list[str], draining: dict) -> list[str]:
     """``nodes`` without the draining ones, in the same order (all of them when every one drains)."""
     return [n for n in nodes if n not in draining] or nodes
-
-
-def pack_reports(msgs: list) -> list:
-    """The messages of one update call with every run of consecutive ``held`` messages packed into one
-    ``("held_batch", [(manifest, ref, origin), ...])`` and every run of consecutive ``release`` messages
-    joined into one (the order of all other messages kept: a release still follows the hold it releases).
-    Worker's report thread, and the scale benchmark's simulated nodes."""
-    out: list = []
-    for msg in msgs:
-        kind = msg[0]
-        last = out[-1][0] if out else None
-        if kind == "held":
-            if last == "held_batch":
-                out[-1][1].append(msg[1:])
-            else:
-                out.append(("held_batch", [msg[1:]]))
-        elif kind == "release" and last == "release":
-            out[-1] = ("release", list(out[-1][1]) + list(msg[1]))
-        else:
-            out.append(msg)
-    return [("held",) + o[1][0] if o[0] == "held_batch" and len(o[1]) == 1 else o for o in out]
-
-
-def answered_interval(ref, current: float) -> float:
-    """The report interval the coordinator asked for in its answer to the update call ``ref`` (its answers are
-    ready by the next report in a narrow job), else ``current``. Never waits."""
-    if ref is None:
-        return current
-    try:
-        ready, _ = ray.wait([ref], timeout=0)
-        if ready:
-            got = ray.get(ready[0])
-            if isinstance(got, (int, float)) and got > 0:
-                return min(float(got), 10.0)
-    except Exception:  # noqa: BLE001 - a restarting coordinator: keep the interval
-        pass
-    return current
 
 
 def _reconstructed() -> bool:
