@@ -37,7 +37,7 @@ def _comparable(snap, model, rank):
 def run_case(rank, world, uri, kind, opt_kind, hook, out):
     ddp, model, opt, sch = _ddp(kind, opt_kind, hook)
     live = {0: T.snapshot(model, opt, sch)}
-    ck = ray_ckpt.Checkpointer(uri, ddp, opt, scheduler=sch, full_every=25, batch_steps=8) if rank == 0 else None
+    ck = ray_ckpt.Checkpointer(uri, ddp, opt, scheduler=sch, full_every=25, batch_steps=8, recovery_every=1, keep_fulls=0) if rank == 0 else None
     for s in range(STEPS):
         T.train_step(kind, ddp, opt, sch, s, rank)
         live[s + 1] = T.snapshot(model, opt, sch)
@@ -59,7 +59,7 @@ def run_case(rank, world, uri, kind, opt_kind, hook, out):
     ddp2, m2, o2, s2 = _ddp(kind, opt_kind, hook, seed=42)
     assert ray_ckpt.restore(uri, m2, o2, scheduler=s2, step=RESUME_AT) == RESUME_AT
     torch.distributed.barrier()
-    ck2 = ray_ckpt.Checkpointer(uri, ddp2, o2, scheduler=s2, full_every=25, batch_steps=8) if rank == 0 else None
+    ck2 = ray_ckpt.Checkpointer(uri, ddp2, o2, scheduler=s2, full_every=25, batch_steps=8, recovery_every=1, keep_fulls=0) if rank == 0 else None
     for s in range(RESUME_AT, STEPS):
         T.train_step(kind, ddp2, o2, s2, s, rank)
     if ck2 is not None:

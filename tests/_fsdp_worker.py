@@ -70,7 +70,7 @@ def train_and_restore(rank, world, port, uri, out):
     with T.dist_group(rank, world, port):
         model, opt, sch = fsdp_model(0)
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
-                                   policy="fixed")
+                                   policy="fixed", keep_fulls=0)
         assert ck.shard_spec is not None and ck.shard_spec.world == world
         local, glob = _train_recording(model, opt, sch, rank)
         ck.close()
@@ -90,7 +90,7 @@ def train_and_restore(rank, world, port, uri, out):
         m3, o3, s3 = fsdp_model(7)
         assert ray_ckpt.restore(uri, m3, o3, scheduler=s3, step=RESUME_AT) == RESUME_AT
         with ray_ckpt.Checkpointer(uri, m3, o3, scheduler=s3, full_every=FULL_EVERY, batch_steps=BATCH,
-                                   policy="fixed"):
+                                   policy="fixed", keep_fulls=0):
             for s in range(RESUME_AT, STEPS):
                 T.train_step(KIND, m3, o3, s3, s, rank)
         T.assert_same(local[STEPS], local_snapshot(m3, o3, s3), f"rank {rank} continued from {RESUME_AT}")
@@ -142,7 +142,7 @@ def refused(rank, world, port, uri, out):
     with T.dist_group(rank, world, port):
         model, opt, sch = fsdp_model(0)
         try:
-            ray_ckpt.Checkpointer(uri, model, opt, strategy=ray_ckpt.Amber(), runtime="ray")
+            ray_ckpt.Checkpointer(uri, model, opt, strategy=ray_ckpt.Amber(), runtime="ray", keep_fulls=0)
         except NotImplementedError as e:
             assert "Amber" in str(e) and "FSDP2" in str(e) and "runtime='local'" in str(e), e
         else:
@@ -154,7 +154,7 @@ def refused(rank, world, port, uri, out):
             m = torch.nn.Module()
             m.w = p
             try:
-                ray_ckpt.Checkpointer(uri, m, torch.optim.SGD([p], lr=0.1))
+                ray_ckpt.Checkpointer(uri, m, torch.optim.SGD([p], lr=0.1), keep_fulls=0)
             except NotImplementedError as e:
                 assert what in str(e) and "not supported" in str(e), e
             else:
@@ -212,7 +212,7 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
         model, opt, sch = fsdp_model(0)
         os.environ["LOCAL_WORLD_SIZE"] = "2"   # as Ray Train / torchrun set it: both ranks on one node
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
-                                   policy="fixed", runtime="ray", run=run, durable_diffs="fulls")
+                                   policy="fixed", runtime="ray", run=run, durable_diffs="fulls", keep_fulls=0)
         # the two shard runs' workers share the node's object store (300 MiB in the test cluster): 60 % of it, halved
         # the node's share of its 300 MiB object store, split between its two ranks, at least 64 MiB each
         assert ck.stats()["runtime"]["worker"]["memory_budget"] == max(int((300 << 20) * OBJECT_STORE_SHARE) // 2,
@@ -259,7 +259,7 @@ def train_checkpointed(rank, world, port, uri, out):
     with T.dist_group(rank, world, port):
         model, opt, sch = fsdp_model(0)
         with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=FULL_EVERY, batch_steps=BATCH,
-                                   policy="fixed"):
+                                   policy="fixed", keep_fulls=0):
             local, glob = _train_recording(model, opt, sch, rank)
         if rank == 0:
             torch.save(glob, os.path.join(out, "global.pt"))
@@ -294,7 +294,7 @@ def hsdp_train_killed(rank, world, port, uri, out):
     T.init_dist(rank, world, port)     # the ranks die at the end: never left
     model, opt, sch = hsdp_model(0, (2, 2))
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=HSDP_FULL_EVERY, batch_steps=BATCH,
-                               policy="fixed")
+                               policy="fixed", keep_fulls=0)
     spec = ck.shard_spec
     assert (spec.world, spec.replicas) == (2, 2) and (spec.replica, spec.rank) == divmod(rank, 2), spec
     local, glob = {}, {}
@@ -377,7 +377,7 @@ def amber_train_restore(rank, world, port, uri, out):
     with T.dist_group(rank, world, port):
         model, opt, sch = fsdp_model(0)
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, strategy=amber_config(), full_every=100,
-                                   batch_steps=2, policy="fixed")
+                                   batch_steps=2, policy="fixed", keep_fulls=0)
         glob = {0: global_snapshot(model, opt)}
         for s in range(AMBER_STEPS):
             T.train_step(KIND, model, opt, sch, s, rank)

@@ -78,14 +78,14 @@ def test_replica_increments_equal_the_trainers_and_restore_within_the_bound(run_
     local_uri = str(tmp_path / "local")
     m, o, sc = _trainee()
     with ray_ckpt.Checkpointer(local_uri, m, o, scheduler=sc, strategy=cfg, full_every=FULL_EVERY, batch_steps=4,
-                               policy="fixed"):
+                               policy="fixed", keep_fulls=0):
         for s in range(STEPS):
             T.train_step("mlp", m, o, sc, s)
 
     # LowDiff+: the trainer sends gradient records only; the replica computes the increments
     m, o, sc = _trainee()
     ck = ray_ckpt.Checkpointer(uri, m, o, scheduler=sc, runtime="ray", run=run, full_every=FULL_EVERY,
-                               batch_steps=4, policy="fixed", durable_diffs=cfg)
+                               batch_steps=4, policy="fixed", durable_diffs=cfg, keep_fulls=0)
     _wait_delegated(ck)
     for s in range(STEPS):
         T.train_step("mlp", m, o, sc, s)
@@ -174,7 +174,7 @@ def test_an_unbased_shadow_encoder_resumes_at_the_next_full(tmp_path):
     from ray_ckpt.engine.amber import ShadowAmber
     from ray_ckpt.engine.shadow import ShadowState
     model, opt, sch = _trainee()
-    with ray_ckpt.Checkpointer(str(tmp_path / "c"), model, opt, scheduler=sch) as ck:
+    with ray_ckpt.Checkpointer(str(tmp_path / "c"), model, opt, scheduler=sch, keep_fulls=0) as ck:
         full = ck._capture.snapshot_now()
     shadow, amber = ShadowState(full), ShadowAmber(_config())
     assert amber.step(shadow, {}, {}) is None and amber.base_step is None

@@ -484,7 +484,7 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
         # every recorded diff durable too (not the bandwidth's choice, "auto"), so that the lineage read from storage
         # after the run has every step the capture recorded
         ck = ray_ckpt.Checkpointer(uri, m, opt, runtime="ray", run=run, overhead_budget=0.005, max_full_every=40,
-                                   durable_diffs="all")
+                                   durable_diffs="all", keep_fulls=0)
         step = _train_until_two_points_past_the_switch(ck, m, opt, width, seconds=25)
         coord = lineages.coordinator(run)
         deadline = time.monotonic() + 20   # the sender's reports carry the budget's state to the coordinator
@@ -536,7 +536,7 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
         m2, opt2 = _model(width, seed=1)
         at = ray_ckpt.restore(uri, m2, opt2, runtime="ray", run=run)
         ck2 = ray_ckpt.Checkpointer(uri, m2, opt2, runtime="ray", run=run, overhead_budget=0.005,
-                                    max_full_every=40, durable_diffs="all")
+                                    max_full_every=40, durable_diffs="all", keep_fulls=0)
         g2, mtbf2 = ck2.stats()["granularity"], ck2.budget.mtbf_s
         for i in range(1, g2["k"] + 2):   # the next full comes k steps after the attach full
             _step(m2, opt2, at + i, width)

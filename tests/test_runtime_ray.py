@@ -64,7 +64,7 @@ def _train(uri, run, steps, start=0, model=None, opt=None, sch=None, during=None
         opt = T.make_optimizer("adamw", model)
         sch = T.make_scheduler(opt)
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run,
-                               **{"full_every": 10, "batch_steps": 4, **kw})
+                               **{"full_every": 10, "batch_steps": 4, "recovery_every": 1, "keep_fulls": 0, **kw})
     for s in range(start, steps):
         T.train_step("mlp", model, opt, sch, s)
         if during is not None:
@@ -259,7 +259,7 @@ def test_memory_budget_releases_durable_objects(run_env):
     model = T.MLP(d_in=32, hidden=512, d_out=8)  # dense diffs of ~1.1 MB: 2 MiB hold one or two
     opt = T.make_optimizer("adamw", model)
     with ray_ckpt.Checkpointer(uri, model, opt, runtime="ray", run=run, full_every=10, batch_steps=2,
-                               memory_budget=2 << 20, strategy=ray_ckpt.LowDiff(max_sparse_density=0)) as ck:
+                               memory_budget=2 << 20, strategy=ray_ckpt.LowDiff(max_sparse_density=0), recovery_every=1, keep_fulls=0) as ck:
         for s in range(14):
             T.train_step("mlp", model, opt, None, s)
     node = ray.get_runtime_context().get_node_id()
@@ -417,7 +417,7 @@ def test_slow_steps_are_handed_over_on_arrival_not_after_handoff_delay(run_env):
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     ck = ray_ckpt.Checkpointer(uri, model, opt, runtime="ray", run=run, full_every=100, batch_steps=10,
-                               handoff_delay=3.0)
+                               handoff_delay=3.0, recovery_every=1, keep_fulls=0)
     for s in range(3):
         if s:
             time.sleep(3.5)   # slower than handoff_delay
@@ -472,7 +472,7 @@ def test_chunks_of_two_checksum_algorithms_merge_into_one_verified_object(run_en
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     ck = ray_ckpt.Checkpointer(uri, model, opt, runtime="ray", run=run, full_every=100, batch_steps=4,
-                               handoff_delay=0.02, replica=False)
+                               handoff_delay=0.02, replica=False, recovery_every=1, keep_fulls=0)
     live = {}
     for s in range(4):
         monkeypatch.setattr(checksum, "DEFAULT", "crc32c" if s < 2 else "crc32")   # read when a chunk is encoded

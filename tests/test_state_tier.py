@@ -78,7 +78,7 @@ def test_replica_writes_the_fulls_and_restores_the_latest_step_with_zero_replay(
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=10,
-                               batch_steps=4)
+                               batch_steps=4, recovery_every=1, keep_fulls=0)
     _wait_delegated(ck)
     for s in range(50):
         T.train_step("mlp", model, opt, sch, s)
@@ -125,7 +125,7 @@ def test_batches_are_one_actor_call_each_and_stay_whole(run_env):
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=1000,
-                               batch_steps=10, handoff_delay=30.0, replica=False)
+                               batch_steps=10, handoff_delay=30.0, replica=False, recovery_every=1, keep_fulls=0)
     sent0 = ck._sink.chunks_sent
     for s in range(40):
         T.train_step("mlp", model, opt, sch, s)
@@ -150,7 +150,7 @@ class _Trainer:
         self.opt = T.make_optimizer("adamw", self.model)
         self.sch = T.make_scheduler(self.opt)
         self.ck = ray_ckpt.Checkpointer(uri, self.model, self.opt, scheduler=self.sch, runtime="ray", run=run,
-                                        **kw)
+                                        **{"recovery_every": 1, "keep_fulls": 0, **kw})
         self.run = run
         self.step = 0
 
@@ -246,7 +246,7 @@ def test_a_new_replica_that_lands_on_the_trainers_node_is_placed_again(run_env, 
 
     with caplog.at_level(logging.INFO, logger="ray_ckpt"):
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=1000,
-                                   batch_steps=4, policy="fixed")
+                                   batch_steps=4, policy="fixed", recovery_every=1, keep_fulls=0)
         for s in range(n):   # steps go on while the thread re-places the replica and the full is asked for
             T.train_step("mlp", model, opt, sch, s)
             if s < n - 1 and not replica_ok():
@@ -277,7 +277,7 @@ def test_killed_replica_is_rebuilt_and_follows_again(run_env):
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=10,
-                               batch_steps=4)
+                               batch_steps=4, recovery_every=1, keep_fulls=0)
     for s in range(15):
         T.train_step("mlp", model, opt, sch, s)
     ck.flush()
@@ -319,7 +319,7 @@ def test_a_forced_gap_is_logged_shown_and_closed_by_a_full(run_env, caplog, caps
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=1000,
-                               batch_steps=4, replica=False)
+                               batch_steps=4, replica=False, recovery_every=1, keep_fulls=0)
     caplog.set_level(logging.WARNING, logger="ray_ckpt")
     step, deadline = 0, time.monotonic() + 60
     while step < 20 or ck.stats()["trainer_fulls"] < 2:   # the gap is declared after a grace period (time)
@@ -353,7 +353,7 @@ def test_durable_diffs_fulls_keeps_diffs_in_memory_on_two_nodes_and_writes_fulls
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
     ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=10,
-                               batch_steps=2, replica=False, durable_diffs="fulls")
+                               batch_steps=2, replica=False, durable_diffs="fulls", recovery_every=1, keep_fulls=0)
     for s in range(25):
         T.train_step("mlp", model, opt, sch, s)
     ck._sink.wait_safe()            # every chunk held on two nodes (or, if its peer was late, written)

@@ -289,6 +289,8 @@ class RaySink(BoundedSink):
                     entry = self._queue.popleft()
                     if self.max_queued is not None:
                         self._cv.notify_all()   # a training thread may wait for room in the queue
+            if not ray.is_initialized():   # a Ray call now would start (or join) another Ray instance
+                raise WriterError("Ray was shut down while this Checkpointer was open: close() it first")
             try:
                 if entry is not None:
                     item, size, close_batch = entry
@@ -493,6 +495,8 @@ class RaySink(BoundedSink):
         """One call to the node's worker; when the actor is restarting, retry (the new incarnation's first
         answer triggers the resend of unsafe chunks)."""
         for attempt in range(self.submit_retries):
+            if not ray.is_initialized():   # shut down under an open sink: never start another Ray instance
+                raise WriterError(f"Ray was shut down during {what}: close() the Checkpointer first")
             try:
                 self.actor_calls += 1
                 return ray.get(fn(self.worker))
@@ -716,7 +720,7 @@ class RaySink(BoundedSink):
         if last is None:
             return
         deadline = time.monotonic() + self.write_timeout
-        while True:
+        while not self._closing and ray.is_initialized():   # an abandoned sink (or Ray shut down) stops waiting
             try:
                 durable = ray.get(self._coordinator.status.remote(), timeout=30).get("durable_step")
             except Exception as e:  # noqa: BLE001 - the coordinator restarts: ask again

@@ -91,7 +91,7 @@ def test_errors_waiting_cannot_fix_are_not_retried(tmp_path):
     storage = FullDisk(open_storage(str(tmp_path / "ckpt")))
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
-    ck = ray_ckpt.Checkpointer(storage, model, opt, full_every=100, batch_steps=2, policy="fixed")
+    ck = ray_ckpt.Checkpointer(storage, model, opt, full_every=100, batch_steps=2, policy="fixed", recovery_every=1, keep_fulls=0)
     t0 = time.monotonic()
     with pytest.raises(ray_ckpt.WriterError, match="No space left on device"):
         for s in range(50):
@@ -197,7 +197,7 @@ def test_an_outage_costs_time_not_data_local_runtime(s3_server, outage, caplog, 
     sch = T.make_scheduler(opt)
     with caplog.at_level(logging.WARNING, logger="ray_ckpt"):
         with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, storage_options=opts, full_every=10,
-                                   batch_steps=4, policy="fixed", write_timeout=120) as ck:
+                                   batch_steps=4, policy="fixed", write_timeout=120, recovery_every=1, keep_fulls=0) as ck:
             lag = _train_through_outage(ck, model, opt, sch, outage, outage_s=outage_s)
             assert lag >= 15, lag            # stats() showed the durable lag during the outage
         assert ck.last_committed_step == 40 and ck.stats()["durable_lag_steps"] == 0
@@ -219,7 +219,7 @@ def test_an_outage_longer_than_the_budget_is_a_clear_error(s3_server, outage):
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     ck = ray_ckpt.Checkpointer(uri, model, opt, storage_options=opts, full_every=10, batch_steps=2,
-                               policy="fixed", write_timeout=3)
+                               policy="fixed", write_timeout=3, recovery_every=1, keep_fulls=0)
     outage.down()
     t0 = time.monotonic()
     with pytest.raises(ray_ckpt.WriterError, match="retry budget 3 s"):
@@ -249,7 +249,7 @@ def test_an_outage_costs_time_not_data_ray_runtime(s3_server, outage, ray_cluste
     try:
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, storage_options=opts, full_every=10,
                                    batch_steps=4, policy="fixed", runtime="ray", run=run, write_timeout=120,
-                                   replica=False)
+                                   replica=False, recovery_every=1, keep_fulls=0)
         _train_through_outage(ck, model, opt, sch, outage, outage_s=outage_s)
         ck.close(timeout=300)
         coord = ray.get_actor(naming.coordinator_name(run), namespace=naming.NAMESPACE)
