@@ -4,6 +4,7 @@ each with a ``RAY_CKPT_*`` environment override, resolved by :meth:`CheckpointCo
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import os
@@ -360,24 +361,48 @@ class CheckpointConfig:
         keyword override or the config object (not by the environment)."""
         return self.__dict__.get("_given", frozenset())
 
+    @property
+    def explicit(self) -> dict:
+        """``{field: value}`` of the fields in :attr:`given`: what travels to another process (a run's coordinator
+        hands it to the Ray Train workers), whose own environment and defaults fill in the rest. Any thread."""
+        return {n: getattr(self, n) for n in sorted(self.given) if n != "pinned"}
+
+    def as_dict(self) -> dict:
+        """Every field's value (``pinned`` as a sorted list): the config in force, for reports. Any thread."""
+        return {f.name: sorted(self.pinned) if f.name == "pinned" else getattr(self, f.name) for f in fields(self)}
+
+    def with_given(self, given: dict) -> "CheckpointConfig":
+        """A copy with the fields of ``given`` set and counted as given (they win wherever the copy is resolved
+        again); ``full_every``/``batch_steps`` among them are pinned. The other fields keep their values, wherever
+        they came from. Any thread."""
+        pinned = self.pinned | ({"full_every", "batch_steps"} & set(given))
+        out = dataclasses.replace(self, **given, pinned=frozenset(pinned))
+        object.__setattr__(out, "_given", self.given | frozenset(given))
+        return out
+
     @classmethod
-    def resolve(cls, config: "CheckpointConfig | None" = None, /, **overrides) -> "CheckpointConfig":
+    def resolve(cls, config: "CheckpointConfig | None" = None, /, *, base: dict | None = None,
+                **overrides) -> "CheckpointConfig":
         """The config in force, field by field, from these sources; each wins over the ones above it:
 
         1. the default;
         2. the ``RAY_CKPT_<FIELD>`` environment variable, when set and not empty (parsed as the field's type);
-        3. the fields ``config`` was constructed with (:attr:`given`; the defaults it merely holds do not count);
-        4. the keyword ``overrides`` that are not None.
+        3. ``base``: fields another party gave explicitly (a Ray Train run's, from the ``config`` of its
+           ``RayCkptCallback``, which the run's coordinator holds: :func:`ray_ckpt.train.attach`);
+        4. the fields ``config`` was constructed with (:attr:`given`; the defaults it merely holds do not count);
+        5. the keyword ``overrides`` that are not None.
 
-        ``full_every``/``batch_steps`` set by 2-4 are pinned: the adaptive policy keeps them and only reports what
-        it would choose. An override that names no field raises TypeError naming the closest one. Any thread."""
+        ``full_every``/``batch_steps`` set by 2-5 are pinned: the adaptive policy keeps them and only reports what
+        it would choose. An override (or a ``base`` key) that names no field raises TypeError naming the closest
+        one. Any thread."""
         names = [f.name for f in fields(cls) if f.name != "pinned"]
-        unknown = [n for n in overrides if n not in names]
+        unknown = [n for n in (*overrides, *(base or {})) if n not in names]
         if unknown:
             raise TypeError("; ".join(_unknown(n, names) for n in unknown))
         if config is not None and not isinstance(config, cls):
             raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
-        given = {n: getattr(config, n) for n in config.given if n != "pinned"} if config is not None else {}
+        given = dict(base or {})
+        given.update((n, getattr(config, n)) for n in (config.given if config is not None else ()) if n != "pinned")
         given.update((n, v) for n, v in overrides.items() if v is not None)
         kw, pinned = {}, set(config.pinned if config is not None else ())
         for name, default in ((f.name, f.default) for f in fields(cls) if f.name != "pinned"):
