@@ -139,14 +139,10 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     ``start_step`` is that step: the loop continues with its ``(start_step+1)``-th optimizer step.
 
     The knobs, as :class:`ray_ckpt.Checkpointer` takes them: ``config``, a :class:`~ray_ckpt.CheckpointConfig`, and
-    keyword overrides of its fields (``full_every``, ``batch_steps``, ``overhead_budget``, ``keep_fulls``, or any
-    other; an unknown knob raises TypeError naming the closest). Each rank resolves, from lowest to highest
-    precedence: the default, its ``RAY_CKPT_<FIELD>`` environment, the fields the run's ``RayCkptCallback`` gave
-    explicitly (held by the run's coordinator), the fields ``config`` was built with, the overrides
-    (:meth:`CheckpointConfig.resolve` with ``base``). The result drives world rank 0's Checkpointer
-    (``session.checkpointer.config``), the other ranks' loop-state recorders and the actors started for the run;
-    the fields it gives explicitly become the run's (the coordinator's ``status()["config"]``), except the adaptive
-    policy's knobs, which the coordinator keeps from its creation (give them to the callback). The step is
+    keyword overrides of its fields (``full_every``, ``overhead_budget``, ``keep_fulls``, or any other), resolved
+    over the fields the run's ``RayCkptCallback`` gave explicitly (:func:`run_config`). The result
+    (``session.config``) drives everything this rank starts: rank 0's Checkpointer, the other ranks' loop-state
+    recorders, the run's actors. The step is
     decided once, by world rank 0, and restored on every rank (see :func:`agreed_restore`); when any rank
     cannot restore it, every rank raises :class:`RestoreError`.
     World rank 0 then captures every optimizer step; every rank reports a pointer checkpoint every
@@ -182,13 +178,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     rank = ctx.get_world_rank()
     storage = _resolve_storage(run, storage_uri, storage_options)
     clock.mark("storage")
-    mine = CheckpointConfig.resolve(config, **overrides)   # an unknown knob fails here, before any actor starts
-    coord = get_or_create_coordinator(run, storage, config=mine)
-    policy, run_config = ray.get([coord.get_policy.remote(), coord.get_config.remote()])
-    # the one config of this rank: its own explicit fields over the run's; full_every/batch_steps are the run's
-    # policy's choice in force (the coordinator adapts them)
-    config = CheckpointConfig.resolve(mine, base=run_config.explicit, full_every=policy.full_every,
-                                      batch_steps=policy.batch_steps)
+    config = run_config(run, storage, config, overrides)
     clock.mark("policy")
     sharded = check_params(optimizer) is not None
     if not sharded and rank == 0:   # rank 0's actors start while the ranks agree on the step to restore
@@ -235,6 +225,22 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     log.info("ray_ckpt: rank %d attached in %s", rank, startup_line(session.startup))
     session._hooks.append(optimizer.register_step_post_hook(_pointer_hook(session)))
     return session
+
+
+def run_config(run: str, storage, config: CheckpointConfig | None, overrides: dict) -> CheckpointConfig:
+    """This rank's config in force, field by field from lowest to highest precedence: the default, this process's
+    ``RAY_CKPT_<FIELD>`` environment, the fields the run's ``RayCkptCallback`` gave explicitly (held by the run's
+    coordinator, created here with this rank's config when there is none), the fields ``config`` was built with,
+    the keyword ``overrides`` (:meth:`CheckpointConfig.resolve` with ``base``); ``full_every``/``batch_steps`` are
+    the run's adaptive policy's choice in force. An unknown knob raises TypeError naming the closest. The fields it
+    gives explicitly become the run's when rank 0's Checkpointer attaches (the coordinator's
+    ``status()["config"]``), except the adaptive policy's knobs, which the coordinator keeps from its creation
+    (give those to the callback). Training worker."""
+    mine = CheckpointConfig.resolve(config, **overrides)   # an unknown knob fails here, before any actor starts
+    coord = get_or_create_coordinator(run, storage, config=mine)
+    policy, run_cfg = ray.get([coord.get_policy.remote(), coord.get_config.remote()])
+    return CheckpointConfig.resolve(mine, base=run_cfg.explicit, full_every=policy.full_every,
+                                    batch_steps=policy.batch_steps)
 
 
 def _prestart_actors(run: str, storage, strategy, config: CheckpointConfig) -> None:
@@ -318,4 +324,4 @@ def _pointer_hook(session: TrainSession):
 
 # read_pointer: the reader of the pointer files this module reports, for ray_ckpt.train (which imports only
 # from integrations)
-__all__ = ["TrainSession", "attach", "read_pointer", "record_rank_loop"]
+__all__ = ["TrainSession", "attach", "read_pointer", "record_rank_loop", "run_config"]
