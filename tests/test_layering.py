@@ -14,20 +14,22 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 # layer -> ray_ckpt subpackages it may import (itself included); "ray" marks layers allowed to import Ray
 ALLOWED = {
-    "format": {"format"},
-    "storage": {"storage"},
-    "lineage": {"lineage"},
-    "policy": {"policy", "lineage"},   # the policy report's key (lineage/layout.py)
-    "engine": {"engine", "format", "storage", "lineage", "policy", "config"},
-    "runtime": {"runtime", "engine", "format", "storage", "lineage", "policy", "config", "ray"},
-    "integrations": {"integrations", "api", "runtime", "engine", "format", "storage", "lineage", "policy", "config",
-                     "ray"},
-    "api": {"api", "runtime", "engine", "format", "storage", "lineage", "policy", "config"},
-    "cli": {"cli", "engine", "format", "storage", "lineage", "policy", "config"},
-    # the top-level modules: config is pure; train / compression are the public faces of integrations
-    "config": {"config"},
-    "train": {"train", "integrations"},
-    "compression": {"compression", "integrations"},
+    "format": {"errors", "format"},
+    "storage": {"errors", "storage"},
+    "lineage": {"errors", "lineage"},
+    "policy": {"errors", "policy", "lineage"},   # the policy report's key (lineage/layout.py)
+    "engine": {"errors", "engine", "format", "storage", "lineage", "policy", "config"},
+    "runtime": {"errors", "runtime", "engine", "format", "storage", "lineage", "policy", "config", "ray"},
+    "integrations": {"errors", "integrations", "api", "runtime", "engine", "format", "storage", "lineage", "policy",
+                     "config", "ray"},
+    "api": {"errors", "api", "runtime", "engine", "format", "storage", "lineage", "policy", "config"},
+    "cli": {"errors", "cli", "engine", "format", "storage", "lineage", "policy", "config"},
+    # the top-level modules: config and errors (every exception's base, imported by every layer) are pure; train /
+    # compression are the public faces of integrations
+    "config": {"errors", "config"},
+    "errors": {"errors"},
+    "train": {"errors", "train", "integrations"},
+    "compression": {"errors", "compression", "integrations"},
 }
 
 

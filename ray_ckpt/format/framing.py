@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import struct
 
+from ray_ckpt.errors import RayCkptError
+
 MAGIC = b"RCKPT\x00\x01\x00"
 ALIGN = 64
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 PREFIX = struct.Struct("<8sQI")   #: magic, header length (u64), header checksum (u32): every object's first bytes
 
 
-class CorruptObjectError(ValueError):
+class CorruptObjectError(RayCkptError, ValueError):
     """An object failed validation (bad magic, checksum mismatch, truncated, hostile header). Names the object."""
 
     def __init__(self, name: str, reason: str):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 
+from ray_ckpt.errors import RayCkptError
 from ray_ckpt.lineage import layout
 from ray_ckpt.lineage.layout import INDEX_KEY
 from ray_ckpt.lineage.manifest import Manifest, ManifestError
@@ -39,7 +40,7 @@ from ray_ckpt.lineage.manifest import Manifest, ManifestError
 INDEX_FORMAT = 1
 
 
-class IndexError_(ValueError):
+class IndexError_(RayCkptError, ValueError):
     """The index object is malformed (readers fall back to listing)."""
 
 

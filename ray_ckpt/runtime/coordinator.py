@@ -48,6 +48,7 @@ from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.gaps import GapWatch
 from ray_ckpt.runtime.placement import prefer_node
+from ray_ckpt.storage import StorageError
 from ray_ckpt.lineage import drains as drain_records
 from ray_ckpt.lineage import retention
 
@@ -132,6 +133,7 @@ class Coordinator:
         self._metrics_t = 0.0
         self.lease = Lease(storage, run=run)   # taken by get_or_create_coordinator; renewed here
         self.lease_lost: str | None = None
+        self._lease_failing = False   # the last renewal met a storage error (logged once as a WARNING)
         self._changes = 0            # reports and failures seen (publish_metrics computes only after changes)
         self._published_changes = -1
         self._reporters: dict[str, float] = {}   # node -> when its last update arrived (see report_interval)
@@ -365,11 +367,18 @@ class Coordinator:
             return
         try:
             self.lease.renew()
+            if self._lease_failing:
+                log.warning("ray_ckpt coordinator: the writer lease is renewed again")
+            self._lease_failing = False
         except LeaseLost as e:
             self.lease_lost = str(e)
             log.error("ray_ckpt coordinator: %s", e)
-        except Exception as e:  # noqa: BLE001 - storage hiccup: the next tick retries
-            log.info("ray_ckpt coordinator: lease renewal failed (%s); retrying", e)
+        except StorageError as e:   # an outage: the next tick retries (the lease outlives a few missed heartbeats)
+            log.log(logging.INFO if self._lease_failing else logging.WARNING,
+                    "ray_ckpt coordinator: storage error renewing the writer lease (%s); retrying", e)
+            self._lease_failing = True
+        except Exception as e:  # noqa: BLE001 - not a storage fault: a bug, logged with its type; the next tick retries
+            log.error("ray_ckpt coordinator: lease renewal failed (%s: %s); retrying", type(e).__name__, e)
 
     def release_lease(self) -> None:
         """Delete the run's lease (end of the run)."""
@@ -1108,7 +1117,7 @@ def get_or_create_coordinator(run: str, storage, *, config: CheckpointConfig, ta
     to Ray.
 
     Creating it takes the lineage's writer lease for the run (:mod:`ray_ckpt.engine.lease`): when another job
-    writes ``storage``, :class:`~ray_ckpt.engine.lease.LeaseError` names it here, in the caller (``takeover``
+    writes ``storage``, :class:`ray_ckpt.LeaseError` names it here, in the caller (``takeover``
     replaces a gone job's lease). The coordinator renews the lease and :func:`shutdown_run` releases it.
 
     A shard run (:func:`ray_ckpt.runtime.lineages.is_shard_run`) gets its lineage of the job's

@@ -26,12 +26,14 @@ import threading
 
 import numpy as np
 
+from ray_ckpt.errors import RayCkptError
+
 #: the first element of a descriptor in a chunk's buffer list
 TAG = "ray_ckpt.shm"
 _ALIGN = 4096
 
 
-class SharedMemoryUnavailable(RuntimeError):
+class SharedMemoryUnavailable(RayCkptError, RuntimeError):
     """The persistence worker cannot map the training process's shared memory (it then sends the bytes)."""
 
 
