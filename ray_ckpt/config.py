@@ -96,7 +96,7 @@ class Amber:
     max_threshold: float = 0.1
     #: how written elements are encoded: "sparse" (indices or a bitmap, plus values), "xor" (XOR with the
     #: last saved bits, byte planes, zstandard), or "auto": xor for bit-exact tensors and for 2-byte dtypes
-    #: (bfloat16, float16), sparse for lossy 4- and 8-byte ones (same size there, 2-3x faster)
+    #: (bfloat16, float16), sparse for lossy 4- and 8-byte ones (same size there, and faster)
     encoding: str = "auto"
     #: zstandard level of the "xor" encoding (1 = fastest)
     zstd_level: int = 1
@@ -234,7 +234,7 @@ class CheckpointConfig:
     #: runtime="ray": bytes each node's PersistenceWorker may hold in the object store (durable objects are
     #: released oldest first beyond it; the newest full is kept). Capped, with a warning, at 60% of the node's
     #: object store: a budget the object store cannot hold makes Ray spill held chunks to disk and read them back
-    #: (measured: spilling cost more CPU per step than all of ray_ckpt's own work)
+    #: (spilling costs more CPU per step than all of ray_ckpt's own work)
     memory_budget: int = 2 * _GiB
     #: keep only the chains of the newest this-many durable full checkpoints of the current timeline (older fulls
     #: and their diffs, and abandoned branches, are deleted: by the coordinator from storage and memory with
@@ -258,18 +258,18 @@ class CheckpointConfig:
     #: runtime="ray" with a replica: every this many steps the trainer ships a fingerprint of its parameters
     #: (16 elements per tensor) that the replica compares bitwise with its own state; 0 disables
     fingerprint_every: int = 50
-    #: runtime="ray": which diffs the durable tier gets. "all" (default): every step's record is written, so
-    #: any step restores from storage alone, even after the whole cluster is lost — the product's promise, at
-    #: the price of writing every step (dense gradients: MB per step). "fulls": diffs stay in memory on two
-    #: nodes (the trainer node's worker and its peer) and only full checkpoints are written; a diff is written
-    #: only under memory pressure, on flush/close, or when its second copy is lost. Restorable: any step the
-    #: memory tier still holds, and from storage the fulls (plus whatever was flushed). Losing both nodes
-    #: loses the steps since the last durable full (a gap: logged, shown by ``ray-ckpt ls``, closed by a full).
+    #: runtime="ray": which diffs the durable tier gets (default "auto", below). "all": every step's record is
+    #: written, so any step restores from storage alone, even after the whole cluster is lost — the product's
+    #: promise, at the price of writing every step (a dense gradient's bytes per step). "fulls": diffs stay in
+    #: memory on two nodes (the trainer node's worker and its peer) and only full checkpoints are written; a diff is
+    #: written only under memory pressure, on flush/close, or when its second copy is lost. Restorable: any step the
+    #: memory tier still holds, and from storage the fulls (plus whatever was flushed). Losing both nodes loses the
+    #: steps since the last durable full (a gap: logged, shown by ``ray-ckpt ls``, closed by a full).
     #: "amber" (LowDiff with the state tier's replica; ``Checkpointer`` also takes an ``Amber(...)`` for its
     #: settings): as "fulls", and the replica writes Amber increments of its own state after every step to the
     #: durable tier (``tiers/amber/``, see :mod:`ray_ckpt.engine.amber_tier`), so that every step also restores
     #: from storage alone, within the Amber bound, when its exact records are not there.
-    #: "auto" (default): "all" while the storage's measured write bandwidth carries every step's diff with room
+    #: "auto" (the default): "all" while the storage's measured write bandwidth carries every step's diff with room
     #: to spare (at most :data:`ray_ckpt.policy.budget.DURABLE_SHARE` of it), else "fulls", chosen per chunk by
     #: the run's coordinator from its measurements and stated in ``stats()["policy"]["durable_diffs"]``;
     #: runtime="local" writes every step (no memory tier).

@@ -1,7 +1,7 @@
 """The container's framing constants and its error, apart from :mod:`ray_ckpt.format.container` so that code
 which only frames, checks and joins encoded bytes (:mod:`ray_ckpt.format.segments`, the persistence worker actor)
-imports neither torch nor the tensor codecs: such an actor starts with over a second less CPU and ~185 MB less
-memory (docs/architecture.md). Pure layer; runs in any process.
+imports neither torch nor the tensor codecs: such an actor starts faster and holds less memory (figures:
+docs/benchmark-log.md). Pure layer; runs in any process.
 """
 from __future__ import annotations
 

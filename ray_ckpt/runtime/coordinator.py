@@ -56,14 +56,14 @@ log = logging.getLogger("ray_ckpt")
 
 
 #: the periodic figures (control, metrics, gap checks) are recomputed at most once per this many times the CPU
-#: their last computation took: they are linear in the run's objects (36,000 after an hour at 100 steps/s in
-#: 10-step chunks: 0.17 s for status() measured), so their CPU share stays near 1/COST_FACTOR while their age grows
+#: their last computation took: they are linear in the run's objects, which grow with a long run, so their CPU
+#: share stays near 1/COST_FACTOR while their age grows (figures: docs/benchmark-log.md)
 COST_FACTOR = 50.0
 #: below this many CPU seconds a periodic computation is redone every time, as in a short run
 CHEAP_S = 0.005
 #: the worker update calls per second this actor asks of all its reporting workers together: each call costs the
-#: actor a fixed ~0.1-0.3 ms besides its messages, so a wide job's workers report less often each (their reports
-#: batched into fewer calls) instead of one call per node every 50 ms (docs/scale.md)
+#: actor a fixed overhead besides its messages, so a wide job's workers report less often each (their reports
+#: batched into fewer calls) instead of one call per node every MIN_REPORT_INTERVAL_S (docs/scale.md)
 REPORT_CALLS_PER_S = 200.0
 #: the shortest report interval a worker is asked for (seconds): a narrow job's coordinator lags by at most this
 MIN_REPORT_INTERVAL_S = 0.05
