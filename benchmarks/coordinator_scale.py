@@ -25,6 +25,7 @@ import tempfile
 import time
 
 from benchmarks import report
+from ray_ckpt.config import CheckpointConfig
 
 
 def _manifest(kind: str, first: int, last: int) -> bytes:
@@ -62,7 +63,8 @@ def measure(chunks: list[int], seconds: float) -> list[dict]:
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
              _temp_dir=os.path.join(tmp, "ray"), configure_logging=False)
     try:
-        coord = Coordinator("coordinator-scale", open_storage(os.path.join(tmp, "ckpt")), 150, 10)
+        coord = Coordinator("coordinator-scale", open_storage(os.path.join(tmp, "ckpt")),
+                            CheckpointConfig(full_every=150, batch_steps=10, keep_fulls=0))
         node = ray.get_runtime_context().get_node_id()
         feed = _Feeder(coord, node)
         for n in sorted(chunks):

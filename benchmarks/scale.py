@@ -56,6 +56,7 @@ from benchmarks import harness, report
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.runtime import worker as _worker
 from ray_ckpt.runtime.coordinator import REPORT_CALLS_PER_S, Coordinator
+from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.runtime.worker import CONTROL_RELAY_S
 
 STEP_BASE = 10 ** 8          #: the step range of each rank's lineage (rank stream s: steps from s * STEP_BASE)
@@ -246,6 +247,10 @@ def _walk(ms: list[Manifest], usable) -> list[list[int]]:
         else:
             ranges.append([step, step])
     return ranges
+
+
+#: the simulated run's knobs: a full every 100 steps, 10-step chunks, no retention
+_CONFIG = CheckpointConfig(full_every=100, batch_steps=10, keep_fulls=0)
 
 
 class SimCoordinator(Coordinator):
@@ -582,7 +587,7 @@ def measure_one(nodes: int, ranks: int, workload: str, mode: str, *, seconds: fl
     storage = open_storage(os.path.join(tmp, run))
     Lease(storage, run=run).acquire()
     coord = ray.remote(SimCoordinator).options(name=naming.coordinator_name(run), namespace=naming.NAMESPACE,
-                                               num_cpus=0, max_concurrency=1).remote(run, storage, 100, 10)
+                                               num_cpus=0, max_concurrency=1).remote(run, storage, _CONFIG)
     ids = node_ids(nodes)
     ray.get(coord.sim_join.remote(ids))
     pid = ray.get(coord.pid.remote())

@@ -8,7 +8,10 @@ Public API (everything else is private and may change):
 * :class:`LowDiff` — the strategy (gradient reuse), :class:`Amber` — selective incremental checkpoints
   (error-bounded or lossless), :class:`CheckpointConfig` — the knobs;
 * :mod:`ray_ckpt.compression` — DDP communication hooks (top-k, int8) whose output LowDiff reuses;
-* errors: :class:`CorruptObjectError`, :class:`NoCheckpointError`, :class:`ManifestError`, :class:`WriterError`.
+* errors: every exception ray_ckpt raises derives from :class:`RayCkptError` (and keeps its builtin base:
+  ``ValueError``, ``RuntimeError``...): :class:`NoCheckpointError`, :class:`CorruptObjectError`,
+  :class:`ManifestError`, :class:`WriterError`, :class:`LeaseError`, :class:`LeaseLost`, :class:`RestoreError`,
+  :class:`StorageError`, :class:`ObjectNotFound`, :class:`ExportError`, :class:`CompressionExchangeError`.
 """
 import importlib
 
@@ -20,17 +23,28 @@ _LAZY = {
     "Checkpointer": "ray_ckpt.api", "restore": "ray_ckpt.api", "export": "ray_ckpt.api",
     "load_export": "ray_ckpt.api",
     "LowDiff": "ray_ckpt.config", "Amber": "ray_ckpt.config", "CheckpointConfig": "ray_ckpt.config",
+    "RayCkptError": "ray_ckpt.errors",
     "WriterError": "ray_ckpt.engine.writer",
     "CorruptObjectError": "ray_ckpt.format.framing",
     "ManifestError": "ray_ckpt.lineage", "NoCheckpointError": "ray_ckpt.lineage",
+    "LeaseError": "ray_ckpt.engine.lease", "LeaseLost": "ray_ckpt.engine.lease",
+    "StorageError": "ray_ckpt.storage.base", "ObjectNotFound": "ray_ckpt.storage.base",
+    "ExportError": "ray_ckpt.engine.export",
+    # these two load Ray Train / torch.distributed on first use (also ray_ckpt.train / ray_ckpt.compression's)
+    "RestoreError": "ray_ckpt.integrations.agreement",
+    "CompressionExchangeError": "ray_ckpt.integrations.compression",
 }
 
-__all__ = ["Checkpointer", "restore", "export", "load_export", "LowDiff", "Amber", "CheckpointConfig", "CorruptObjectError",
-           "NoCheckpointError", "ManifestError", "WriterError", "__version__"]
+# the exception classes among the public names (all derive from RayCkptError)
+_ERRORS = ("RayCkptError", "NoCheckpointError", "CorruptObjectError", "ManifestError", "WriterError", "LeaseError",
+          "LeaseLost", "RestoreError", "StorageError", "ObjectNotFound", "ExportError", "CompressionExchangeError")
+
+__all__ = ["Checkpointer", "restore", "export", "load_export", "LowDiff", "Amber", "CheckpointConfig", *_ERRORS,
+           "__version__"]
 
 
-_SUBMODULES = {"api", "cli", "compression", "config", "engine", "format", "integrations", "lineage", "policy",
-               "runtime", "storage", "train"}
+_SUBMODULES = {"api", "cli", "compression", "config", "engine", "errors", "format", "integrations", "lineage",
+               "policy", "runtime", "storage", "train"}
 
 
 def __getattr__(name: str):

@@ -68,7 +68,7 @@ class Checkpointer:
     same objects are given to :func:`restore`. Use as a context manager or call :meth:`close`.
 
     One writer per lineage: a second Checkpointer (another job) on the same ``uri`` raises
-    :class:`~ray_ckpt.engine.lease.LeaseError` naming the holder, unless ``takeover=True`` (take over a lease
+    :class:`ray_ckpt.LeaseError` naming the holder, unless ``takeover=True`` (take over a lease
     whose job is gone; logged). With ``runtime="ray"`` the lease belongs to the run; with ``runtime="local"``
     and ``run`` given it is shared by the writers of that run (a restarted worker group continues). An attach
     that fails halfway releases what it took (lease, writer thread, hooks).

@@ -4,6 +4,7 @@ each with a ``RAY_CKPT_*`` environment override, resolved by :meth:`CheckpointCo
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import os
@@ -95,7 +96,7 @@ class Amber:
     max_threshold: float = 0.1
     #: how written elements are encoded: "sparse" (indices or a bitmap, plus values), "xor" (XOR with the
     #: last saved bits, byte planes, zstandard), or "auto": xor for bit-exact tensors and for 2-byte dtypes
-    #: (bfloat16, float16), sparse for lossy 4- and 8-byte ones (same size there, 2-3x faster)
+    #: (bfloat16, float16), sparse for lossy 4- and 8-byte ones (same size there, and faster)
     encoding: str = "auto"
     #: zstandard level of the "xor" encoding (1 = fastest)
     zstd_level: int = 1
@@ -233,7 +234,7 @@ class CheckpointConfig:
     #: runtime="ray": bytes each node's PersistenceWorker may hold in the object store (durable objects are
     #: released oldest first beyond it; the newest full is kept). Capped, with a warning, at 60% of the node's
     #: object store: a budget the object store cannot hold makes Ray spill held chunks to disk and read them back
-    #: (measured: spilling cost more CPU per step than all of ray_ckpt's own work)
+    #: (spilling costs more CPU per step than all of ray_ckpt's own work)
     memory_budget: int = 2 * _GiB
     #: keep only the chains of the newest this-many durable full checkpoints of the current timeline (older fulls
     #: and their diffs, and abandoned branches, are deleted: by the coordinator from storage and memory with
@@ -257,18 +258,18 @@ class CheckpointConfig:
     #: runtime="ray" with a replica: every this many steps the trainer ships a fingerprint of its parameters
     #: (16 elements per tensor) that the replica compares bitwise with its own state; 0 disables
     fingerprint_every: int = 50
-    #: runtime="ray": which diffs the durable tier gets. "all" (default): every step's record is written, so
-    #: any step restores from storage alone, even after the whole cluster is lost — the product's promise, at
-    #: the price of writing every step (dense gradients: MB per step). "fulls": diffs stay in memory on two
-    #: nodes (the trainer node's worker and its peer) and only full checkpoints are written; a diff is written
-    #: only under memory pressure, on flush/close, or when its second copy is lost. Restorable: any step the
-    #: memory tier still holds, and from storage the fulls (plus whatever was flushed). Losing both nodes
-    #: loses the steps since the last durable full (a gap: logged, shown by ``ray-ckpt ls``, closed by a full).
+    #: runtime="ray": which diffs the durable tier gets (default "auto", below). "all": every step's record is
+    #: written, so any step restores from storage alone, even after the whole cluster is lost — the product's
+    #: promise, at the price of writing every step (a dense gradient's bytes per step). "fulls": diffs stay in
+    #: memory on two nodes (the trainer node's worker and its peer) and only full checkpoints are written; a diff is
+    #: written only under memory pressure, on flush/close, or when its second copy is lost. Restorable: any step the
+    #: memory tier still holds, and from storage the fulls (plus whatever was flushed). Losing both nodes loses the
+    #: steps since the last durable full (a gap: logged, shown by ``ray-ckpt ls``, closed by a full).
     #: "amber" (LowDiff with the state tier's replica; ``Checkpointer`` also takes an ``Amber(...)`` for its
     #: settings): as "fulls", and the replica writes Amber increments of its own state after every step to the
     #: durable tier (``tiers/amber/``, see :mod:`ray_ckpt.engine.amber_tier`), so that every step also restores
     #: from storage alone, within the Amber bound, when its exact records are not there.
-    #: "auto" (default): "all" while the storage's measured write bandwidth carries every step's diff with room
+    #: "auto" (the default): "all" while the storage's measured write bandwidth carries every step's diff with room
     #: to spare (at most :data:`ray_ckpt.policy.budget.DURABLE_SHARE` of it), else "fulls", chosen per chunk by
     #: the run's coordinator from its measurements and stated in ``stats()["policy"]["durable_diffs"]``;
     #: runtime="local" writes every step (no memory tier).
@@ -360,24 +361,48 @@ class CheckpointConfig:
         keyword override or the config object (not by the environment)."""
         return self.__dict__.get("_given", frozenset())
 
+    @property
+    def explicit(self) -> dict:
+        """``{field: value}`` of the fields in :attr:`given`: what travels to another process (a run's coordinator
+        hands it to the Ray Train workers), whose own environment and defaults fill in the rest. Any thread."""
+        return {n: getattr(self, n) for n in sorted(self.given) if n != "pinned"}
+
+    def as_dict(self) -> dict:
+        """Every field's value (``pinned`` as a sorted list): the config in force, for reports. Any thread."""
+        return {f.name: sorted(self.pinned) if f.name == "pinned" else getattr(self, f.name) for f in fields(self)}
+
+    def with_given(self, given: dict) -> "CheckpointConfig":
+        """A copy with the fields of ``given`` set and counted as given (they win wherever the copy is resolved
+        again); ``full_every``/``batch_steps`` among them are pinned. The other fields keep their values, wherever
+        they came from. Any thread."""
+        pinned = self.pinned | ({"full_every", "batch_steps"} & set(given))
+        out = dataclasses.replace(self, **given, pinned=frozenset(pinned))
+        object.__setattr__(out, "_given", self.given | frozenset(given))
+        return out
+
     @classmethod
-    def resolve(cls, config: "CheckpointConfig | None" = None, /, **overrides) -> "CheckpointConfig":
+    def resolve(cls, config: "CheckpointConfig | None" = None, /, *, base: dict | None = None,
+                **overrides) -> "CheckpointConfig":
         """The config in force, field by field, from these sources; each wins over the ones above it:
 
         1. the default;
         2. the ``RAY_CKPT_<FIELD>`` environment variable, when set and not empty (parsed as the field's type);
-        3. the fields ``config`` was constructed with (:attr:`given`; the defaults it merely holds do not count);
-        4. the keyword ``overrides`` that are not None.
+        3. ``base``: fields another party gave explicitly (a Ray Train run's, from the ``config`` of its
+           ``RayCkptCallback``, which the run's coordinator holds: :func:`ray_ckpt.train.attach`);
+        4. the fields ``config`` was constructed with (:attr:`given`; the defaults it merely holds do not count);
+        5. the keyword ``overrides`` that are not None.
 
-        ``full_every``/``batch_steps`` set by 2-4 are pinned: the adaptive policy keeps them and only reports what
-        it would choose. An override that names no field raises TypeError naming the closest one. Any thread."""
+        ``full_every``/``batch_steps`` set by 2-5 are pinned: the adaptive policy keeps them and only reports what
+        it would choose. An override (or a ``base`` key) that names no field raises TypeError naming the closest
+        one. Any thread."""
         names = [f.name for f in fields(cls) if f.name != "pinned"]
-        unknown = [n for n in overrides if n not in names]
+        unknown = [n for n in (*overrides, *(base or {})) if n not in names]
         if unknown:
             raise TypeError("; ".join(_unknown(n, names) for n in unknown))
         if config is not None and not isinstance(config, cls):
             raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
-        given = {n: getattr(config, n) for n in config.given if n != "pinned"} if config is not None else {}
+        given = dict(base or {})
+        given.update((n, getattr(config, n)) for n in (config.given if config is not None else ()) if n != "pinned")
         given.update((n, v) for n, v in overrides.items() if v is not None)
         kw, pinned = {}, set(config.pinned if config is not None else ())
         for name, default in ((f.name, f.default) for f in fields(cls) if f.name != "pinned"):

@@ -9,6 +9,7 @@ import traceback
 import pytest
 
 import ray_ckpt
+from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.api import open_uri
 from ray_ckpt.engine.rankloop import rank_loop_head
 from ray_ckpt.integrations.agreement import agreed_restore
@@ -125,10 +126,11 @@ def _group_worker(rank, world, port, uri, out, start_fresh, until, abandon_rank1
         if rank == 0:
             ck = ray_ckpt.Checkpointer(storage, model, opt, scheduler=sch, extra_state=extra, start_step=start,
                                        full_every=5, batch_steps=4, policy="fixed")
-        # abandoning: rank 1's records go out only in batches of 4 (no time-based write), so the steps after the
-        # last full batch are surely unwritten when its process exits
-        rec = _record_rank_loop(storage, rank, ddp, opt, ck, start=start, extra_state=extra, full_every=5,
-                                batch_steps=4, handoff_delay=3600.0 if abandon_rank1 else None)
+        # abandoning: rank 1's records go out only in batches of 4 (the longest handoff_delay: no time-based write
+        # within the test), so the steps after the last full batch are surely unwritten when its process exits
+        rec = _record_rank_loop(storage, rank, ddp, opt, ck, start=start, extra_state=extra,
+                                config=CheckpointConfig.resolve(full_every=5, batch_steps=4, handoff_delay=60.0
+                                                                if abandon_rank1 else None))
         for s in range(start, until):
             data.pos += 1
             T.train_step("mlp_do", ddp, opt, sch, s, rank, reseed=False)

@@ -84,6 +84,37 @@ def test_precedence_default_env_config_keyword(monkeypatch):
     assert CheckpointConfig.resolve(r) == r
 
 
+def test_a_runs_explicit_fields_sit_between_the_environment_and_the_config(monkeypatch):
+    """What a Ray Train worker resolves: its env < the callback's explicit fields (``base``, from the run's
+    coordinator) < its own config < its overrides; only explicit fields travel (:attr:`explicit`)."""
+    monkeypatch.setenv("RAY_CKPT_KEEP_FULLS", "5")
+    monkeypatch.setenv("RAY_CKPT_HANDOFF_DELAY", "0.5")
+    run = CheckpointConfig.resolve(CheckpointConfig(keep_fulls=3, overhead_budget=0.02))
+    assert run.explicit == {"keep_fulls": 3, "overhead_budget": 0.02}   # the env's handoff_delay does not travel
+    r = CheckpointConfig.resolve(CheckpointConfig(overhead_budget=0.1), base=run.explicit, recovery_every=2)
+    assert (r.keep_fulls, r.overhead_budget, r.handoff_delay, r.recovery_every) == (3, 0.1, 0.5, 2)
+    assert r.given == {"keep_fulls", "overhead_budget", "recovery_every"}
+    assert CheckpointConfig.resolve(base={}).keep_fulls == 5
+    with pytest.raises(TypeError, match="did you mean 'keep_fulls'"):
+        CheckpointConfig.resolve(base={"keep_full": 1})
+    # a coordinator adopting a trainer's explicit fields keeps every other value as it was resolved
+    adopted = run.with_given({"keep_fulls": 4, "full_every": 7})
+    assert (adopted.keep_fulls, adopted.full_every, adopted.overhead_budget) == (4, 7, 0.02)
+    assert adopted.given == {"keep_fulls", "full_every", "overhead_budget"} and adopted.pinned == {"full_every"}
+    assert adopted.as_dict()["keep_fulls"] == 4 and adopted.as_dict()["pinned"] == ["full_every"]
+
+
+def test_the_ray_train_callback_takes_the_checkpointers_knobs():
+    """``RayCkptCallback(config=..., **overrides)`` resolves as a Checkpointer does (driver side; no Ray call)."""
+    from ray_ckpt.train import RayCkptCallback
+    cb = RayCkptCallback(config=CheckpointConfig(keep_fulls=3, overhead_budget=0.02), full_every=40, mtbf_hint=60.0)
+    assert (cb.config.keep_fulls, cb.config.overhead_budget, cb.config.full_every, cb.config.mtbf_hint) == \
+        (3, 0.02, 40, 60.0)
+    assert cb.config.explicit == {"full_every": 40, "keep_fulls": 3, "mtbf_hint": 60.0, "overhead_budget": 0.02}
+    with pytest.raises(TypeError, match="did you mean 'overhead_budget'"):
+        RayCkptCallback(overhead_budgett=0.1)
+
+
 def test_env_overrides_fields_a_config_leaves_unset_in_a_checkpointer(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_CKPT_FULL_EVERY", "3")
     model, opt = _model_opt()

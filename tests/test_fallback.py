@@ -8,6 +8,7 @@ import pytest
 import ray
 
 import ray_ckpt
+from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.storage import ObjectNotFound, open_storage
 from tests import _training as T
@@ -89,7 +90,8 @@ def test_fallback_works_with_the_ray_runtime(tmp_path, ray_cluster):  # noqa: F8
     try:
         _run(uri, 30, runtime="ray", run=run, replica=False)
         shutdown_run(run)   # memory tier gone; a new coordinator plans from the durable lineage alone
-        coord = get_or_create_coordinator(run, open_storage(uri), full_every=10, batch_steps=4)
+        coord = get_or_create_coordinator(run, open_storage(uri),
+                                          config=CheckpointConfig.resolve(full_every=10, batch_steps=4))
         assert ray.get(coord.status.remote(), timeout=60)["durable_step"] == 30
         diff = _manifest(uri, lambda m: m.kind == "diff" and m.first_step <= 25 <= m.last_step)
         storage = open_storage(uri)

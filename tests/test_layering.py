@@ -14,20 +14,22 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 # layer -> ray_ckpt subpackages it may import (itself included); "ray" marks layers allowed to import Ray
 ALLOWED = {
-    "format": {"format"},
-    "storage": {"storage"},
-    "lineage": {"lineage"},
-    "policy": {"policy", "lineage"},   # the policy report's key (lineage/layout.py)
-    "engine": {"engine", "format", "storage", "lineage", "policy", "config"},
-    "runtime": {"runtime", "engine", "format", "storage", "lineage", "policy", "config", "ray"},
-    "integrations": {"integrations", "api", "runtime", "engine", "format", "storage", "lineage", "policy", "config",
-                     "ray"},
-    "api": {"api", "runtime", "engine", "format", "storage", "lineage", "policy", "config"},
-    "cli": {"cli", "engine", "format", "storage", "lineage", "policy", "config"},
-    # the top-level modules: config is pure; train / compression are the public faces of integrations
-    "config": {"config"},
-    "train": {"train", "integrations"},
-    "compression": {"compression", "integrations"},
+    "format": {"errors", "format"},
+    "storage": {"errors", "storage"},
+    "lineage": {"errors", "lineage"},
+    "policy": {"errors", "policy", "lineage"},   # the policy report's key (lineage/layout.py)
+    "engine": {"errors", "engine", "format", "storage", "lineage", "policy", "config"},
+    "runtime": {"errors", "runtime", "engine", "format", "storage", "lineage", "policy", "config", "ray"},
+    "integrations": {"errors", "integrations", "api", "runtime", "engine", "format", "storage", "lineage", "policy",
+                     "config", "ray"},
+    "api": {"errors", "api", "runtime", "engine", "format", "storage", "lineage", "policy", "config"},
+    "cli": {"errors", "cli", "engine", "format", "storage", "lineage", "policy", "config"},
+    # the top-level modules: config and errors (every exception's base, imported by every layer) are pure; train /
+    # compression are the public faces of integrations
+    "config": {"errors", "config"},
+    "errors": {"errors"},
+    "train": {"errors", "train", "integrations"},
+    "compression": {"errors", "compression", "integrations"},
 }
 
 
@@ -299,3 +301,68 @@ def test_the_circle_check_reports_each_circle_and_its_import_lines(tmp_path):
     (root / "sub" / "d.py").write_text("from pkg.sub import D as _D\nD = 1\n")
     circles = find_circles(str(root), "pkg")
     assert ["pkg.sub", "pkg.sub.d"] in [mods for mods, _ in circles]
+
+
+# ---- sizes ---------------------------------------------------------------------------------------------------------
+# The sizes that say a module or a class has outgrown one concern (../shared/tools/sizes.py counts the same way): a
+# file's lines (its newlines + 1), a class's methods (functions directly in its body), a function's lines (def to
+# its last line, docstring included; every nested function counts on its own too).
+FILE_LINES, CLASS_METHODS, FUNC_LINES, INIT_LINES = 600, 25, 100, 40
+
+#: Today's offenders, each with why it is allowed for now. Being split: remove an entry once it fits (the test says
+#: so); never add one.
+SIZE_ALLOWED: dict[str, str] = {
+    "runtime/coordinator.py": "the coordinator actor's concerns (lineage view, gaps, replica, drains, policy...) "
+                              "are being moved into Ray-free objects",
+    "runtime/coordinator.py:Coordinator": "as its file: a thin actor over small objects is the target",
+    "runtime/worker.py": "the persistence worker's write queue, peer copies and reports are being split out",
+    "runtime/worker.py:PersistenceWorker": "as its file",
+    "runtime/sink.py": "RaySink's sender, hand-off and control are being split out",
+    "runtime/sink.py:RaySink": "as its file",
+    "api.py": "Checkpointer's runtime branches are moving behind one runtime interface",
+    "api.py:Checkpointer.__init__": "as its file: the attach steps move into the runtimes and the Attachment",
+    "engine/sharded.py": "sharded save, restore and resharding in one module: to be cut by concern",
+    "integrations/compression.py": "the top-k and int8 hooks with their exchange and state: to be cut by hook",
+}
+
+
+def _sizes(root: str) -> dict[str, str]:
+    """Each size over its limit under ``root``, as ``{"file[:Class[.method]]": what}``."""
+    out = {}
+    for dp, _, fs in os.walk(root):
+        for f in sorted(fs):
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dp, f)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            src = open(path, encoding="utf-8").read()
+            if src.count("\n") + 1 > FILE_LINES:
+                out[rel] = f"{src.count(chr(10)) + 1} lines (> {FILE_LINES})"
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, ast.ClassDef):
+                    meths = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                    if len(meths) > CLASS_METHODS:
+                        out[f"{rel}:{node.name}"] = f"{len(meths)} methods (> {CLASS_METHODS})"
+                    init = [m for m in meths if m.name == "__init__"]
+                    if node.name == "Checkpointer" and init and init[0].end_lineno - init[0].lineno + 1 > INIT_LINES:
+                        out[f"{rel}:Checkpointer.__init__"] = f"{init[0].end_lineno - init[0].lineno + 1} lines " \
+                                                              f"(> {INIT_LINES})"
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > FUNC_LINES:
+                        out[f"{rel}:{node.name}@{node.lineno}"] = f"{n} lines (> {FUNC_LINES})"
+    return out
+
+
+def test_files_classes_and_functions_stay_within_their_sizes():
+    sizes = _sizes(PKG)
+    new = {k: v for k, v in sizes.items() if k not in SIZE_ALLOWED}
+    assert not new, "outgrown (split by concern; do not allow-list): " + "; ".join(f"{k}: {v}" for k, v in new.items())
+    fixed = sorted(set(SIZE_ALLOWED) - set(sizes))
+    assert not fixed, f"within the limits now: remove from SIZE_ALLOWED: {fixed}"
+
+
+def test_the_size_check_sees_an_offender(tmp_path):
+    (tmp_path / "big.py").write_text("class C:\n" + "".join(f"    def m{i}(self):\n        pass\n" for i in range(26))
+                                     + "def f():\n" + "    x = 1\n" * 100)
+    assert set(_sizes(str(tmp_path))) == {"big.py:C", "big.py:f@54"}

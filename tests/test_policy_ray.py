@@ -10,6 +10,7 @@ import ray
 
 from ray_ckpt.cli.main import main as cli_main
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
+from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shutdown_run
 from ray_ckpt.storage import open_storage
 
@@ -26,8 +27,9 @@ def test_failures_change_the_coordinators_decision_and_inspect_shows_it(tmp_path
     run = f"pol-{uuid.uuid4().hex[:8]}"
     uri = str(tmp_path / "ckpt")
     storage = open_storage(uri)
-    coord = get_or_create_coordinator(run, storage, full_every=100, batch_steps=10,
-                                      policy_options={"mtbf_hint": 86400.0})
+    # built, not resolved: full_every/batch_steps are the adaptive policy's start, not pinned
+    coord = get_or_create_coordinator(run, storage, config=CheckpointConfig(full_every=100, batch_steps=10,
+                                                                            mtbf_hint=86400.0))
     try:
         # commits as the persistence workers report them: a 100 MB full that took ~2 s to persist, diffs
         ray.get(coord.status.remote())  # started
@@ -61,13 +63,10 @@ def test_failures_change_the_coordinators_decision_and_inspect_shows_it(tmp_path
 
 
 def test_explicit_values_pin_the_coordinators_policy(tmp_path, ray_cluster):  # noqa: F811
-    from ray_ckpt.config import CheckpointConfig
-
     run = f"pin-{uuid.uuid4().hex[:8]}"
     cfg = CheckpointConfig.resolve(full_every=50, batch_steps=5)
     assert cfg.pinned == {"full_every", "batch_steps"}
-    coord = get_or_create_coordinator(run, open_storage(str(tmp_path / "c")), full_every=50, batch_steps=5,
-                                      policy_options=cfg.policy_options())
+    coord = get_or_create_coordinator(run, open_storage(str(tmp_path / "c")), config=cfg)
     try:
         for i in range(20):
             coord.record_failure.remote({"failures": i + 1})

@@ -10,6 +10,7 @@ import torch
 
 import ray_ckpt
 from ray_ckpt.runtime import naming
+from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.runtime.coordinator import shutdown_run
 from tests import _training as T
 
@@ -214,7 +215,7 @@ def test_a_diff_committed_after_gc_collected_its_steps_is_deleted(ray_cluster, t
         return m
 
     node = ray.get_runtime_context().get_node_id()
-    coord = C.Coordinator(f"t-{uuid.uuid4().hex[:8]}", storage, 10, 4, keep_fulls=2)
+    coord = C.Coordinator(f"t-{uuid.uuid4().hex[:8]}", storage, CheckpointConfig(full_every=10, batch_steps=4, keep_fulls=2))
     for f in (0, 10):
         coord.update(node, [("durable", man("full", f, f).to_json(), [])])
     late = [man("diff", 1, 4, write=False), man("diff", 11, 14, write=False)]
@@ -520,7 +521,8 @@ def test_a_long_runs_figures_stay_exact_and_periodic_callers_reuse_their_view(
         coord.update(node, msgs)
 
     node = ray.get_runtime_context().get_node_id()
-    coord = C.Coordinator(f"t-{uuid.uuid4().hex[:8]}", open_storage(str(tmp_path / "ckpt")), 150, 10)
+    coord = C.Coordinator(f"t-{uuid.uuid4().hex[:8]}", open_storage(str(tmp_path / "ckpt")),
+                          CheckpointConfig(full_every=150, batch_steps=10, keep_fulls=0))
     coord.update(node, [("durable", man("full", 0, 0), [])])
     feed(0, 19_999, lost={7_000})                      # steps 70,001..70,010 held nowhere
     st = coord.status()

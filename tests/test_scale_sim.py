@@ -13,6 +13,7 @@ import ray
 
 from benchmarks.scale import SimCoordinator, SimJob, node_ids
 from ray_ckpt.lineage import Manifest
+from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.runtime import coordinator as C
 from ray_ckpt.runtime import lineages
 from ray_ckpt.runtime.worker import CONTROL_RELAY_S, get_or_create_worker, pack_reports
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.ray
 
 
 def _coord(tmp_path, name: str) -> SimCoordinator:
-    return SimCoordinator(f"t-{name}-{uuid.uuid4().hex[:8]}", open_storage(str(tmp_path / name)), 100, 10)
+    return SimCoordinator(f"t-{name}-{uuid.uuid4().hex[:8]}", open_storage(str(tmp_path / name)),
+                          CheckpointConfig(full_every=100, batch_steps=10, keep_fulls=0))
 
 
 def _play(coord: SimCoordinator, job: SimJob, rounds: int, pack: bool) -> list[float]:
@@ -142,7 +144,8 @@ def test_a_node_worker_relays_its_ranks_control(ray_cluster, tmp_path):
     node = ray.get_runtime_context().get_node_id()
     try:
         for run in runs:
-            C.get_or_create_coordinator(run, lineages.lineage_storage(root, run), full_every=10, batch_steps=2)
+            C.get_or_create_coordinator(run, lineages.lineage_storage(root, run),
+                                        config=CheckpointConfig.resolve(full_every=10, batch_steps=2))
         workers = [get_or_create_worker(run, node, lineages.lineage_storage(root, run), 1 << 20) for run in runs]
         ray.get([w.ping.remote() for w in workers])
         assert ray.get(workers[0].control.remote(1)) is None      # nothing relayed yet: the rank asks directly

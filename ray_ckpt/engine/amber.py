@@ -183,7 +183,7 @@ class AmberEncoder:
                         continue
                     if self._encoding(lossless, x) == "xor":
                         d = encode_xor(slot, x, r, mask, k, level=self.cfg.zstd_level, thr=thr)
-                        torch.where(mask, xf, rf, out=rf)    # the saved values: one pass (masked_scatter_: 3x)
+                        torch.where(mask, xf, rf, out=rf)    # the saved values: one pass (masked_scatter_ is slower)
                     else:
                         d, idx, vals = encode_selected(slot, x, mask, k, thr=None if lossless else thr)
                         if lossless:

@@ -67,11 +67,11 @@ class HostPool:
     """Recycled host buffers for the dense copies a capture takes every step (CPU training).
 
     A fresh tensor per captured gradient costs its allocation and a page fault per 4 KiB page on first touch
-    (glibc hands large blocks back to the kernel when they are freed): measured 0.75 ms per step for the 2.7 MB of
-    the Fashion-MNIST MLP against 0.16 ms for a copy into a buffer already in memory, and several times more on a
-    loaded 2-core machine. The capture takes a buffer with :meth:`take`; the record carries the buffers it took,
-    and its sink gives them back with :func:`ray_ckpt.format.records.recycle` once nothing reads them any more
-    (written, or held on two nodes). A record never recycled (an error, a closed sink) is garbage-collected.
+    (glibc hands large blocks back to the kernel when they are freed), several times the cost of a copy into a
+    buffer already in memory (figures: docs/benchmark-log.md). The capture
+    takes a buffer with :meth:`take`; the record carries the buffers it took, and its sink gives them back with
+    :func:`ray_ckpt.format.records.recycle` once nothing reads them any more (written, or held on two nodes). A
+    record never recycled (an error, a closed sink) is garbage-collected.
 
     Thread-safe: taken on the training thread, given back on a background thread. At most ``max_bytes`` of free
     buffers are kept (the Checkpointer sets it to its ``max_pending_bytes``: the buffers in flight are bounded by
@@ -207,11 +207,11 @@ class _HostCopier:
         return out
 
     def full_copier(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], list]:
-        """``(copy, taken)`` for one full snapshot: ``copy`` puts each CPU tensor into a buffer of
-        :attr:`full_pool` (recorded in ``taken``; other devices go through :meth:`__call__`). A full is the
-        whole state: allocating it afresh costs a page fault per 4 KiB page, measured 0.23-1.2 s on the training
-        thread for the 459 MB of a 38M-parameter model with AdamW against 0.045 s for a copy into buffers already
-        in memory. The sink gives the buffers back once the full is written or held on two nodes
+        """``(copy, taken)`` for one full snapshot: ``copy`` puts each CPU tensor into a buffer of :attr:`full_pool`
+        (recorded in ``taken``; other devices go through :meth:`__call__`). A full is the whole state:
+        allocating it afresh costs a page fault per page on the training thread, many times a copy into
+        buffers already in memory (docs/benchmark-log.md). The sink
+        gives the buffers back once the full is written or held on two nodes
         (:func:`ray_ckpt.format.records.recycle`); the pool keeps one full's worth (:meth:`keep_full`)."""
         taken: list = []
 
@@ -303,7 +303,7 @@ class CaptureBase:
         for p in self.params:
             if p.is_sparse:
                 raise NotImplementedError("sparse parameters are not supported")
-        # the model's persistent buffers, looked up once (walking the module tree every step costs ~0.3 ms)
+        # the model's persistent buffers, looked up once (walking the module tree every step would cost each step)
         self._buffers = list(_persistent_buffers(model)) if capture_buffers else []
         self.step = start_step
         self.last_full_step = start_step

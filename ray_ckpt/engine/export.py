@@ -47,6 +47,7 @@ from ray_ckpt.engine.loopstate import apply_loop
 from ray_ckpt.engine.optim_layout import ShadowError
 from ray_ckpt.engine.restore import replay, resolve_and_load
 from ray_ckpt.engine.shadow import rebuild
+from ray_ckpt.errors import RayCkptError
 from ray_ckpt.lineage.layout import INFO_FILE
 
 log = logging.getLogger("ray_ckpt")
@@ -59,7 +60,7 @@ _REPLAY_CHUNK = 16
 Progress = Callable[[str, int, int], None]
 
 
-class ExportError(ValueError):
+class ExportError(RayCkptError, ValueError):
     """The step cannot be exported (no layout in its full, an optimizer this process cannot import, a bad
     output path or format)."""
 

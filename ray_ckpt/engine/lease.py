@@ -23,19 +23,20 @@ import socket
 import time
 import uuid
 
+from ray_ckpt.errors import RayCkptError
 from ray_ckpt.lineage.layout import LEASE_KEY
-from ray_ckpt.storage import ObjectNotFound
+from ray_ckpt.storage import ObjectNotFound, StorageError
 
 log = logging.getLogger("ray_ckpt")
 
 DEFAULT_TTL = 60.0
 
 
-class LeaseError(RuntimeError):
+class LeaseError(RayCkptError, RuntimeError):
     """Another writer holds the lineage's lease."""
 
 
-class LeaseLost(RuntimeError):
+class LeaseLost(RayCkptError, RuntimeError):
     """This writer's lease was taken over by another writer: it must stop writing."""
 
 
@@ -61,10 +62,20 @@ class Lease:
                            "ttl": self.ttl, "heartbeat": now}).encode()
 
     def _current(self) -> tuple[dict | None, str | None]:
+        """The lease record and its version (None, None: no lease). A storage fault raises StorageError."""
         try:
-            data, version = self.storage.read_versioned(LEASE_KEY)
+            got = self.storage.read_versioned(LEASE_KEY)
         except ObjectNotFound:
             return None, None
+        except StorageError:
+            raise
+        except Exception as e:   # noqa: BLE001 - a backend's own error type: a storage fault all the same
+            raise StorageError(f"cannot read the writer lease of {self.storage.describe()}: "
+                               f"{type(e).__name__}: {e}") from e
+        if not (isinstance(got, tuple) and len(got) == 2):   # a backend answering nothing (None) during an outage
+            raise StorageError(f"cannot read the writer lease of {self.storage.describe()}: the storage returned "
+                               f"{got!r}")
+        data, version = got
         try:
             rec = json.loads(data)
             if not isinstance(rec, dict):
@@ -109,7 +120,8 @@ class Lease:
     def renew(self, *, force: bool = False) -> None:
         """Check that this writer still holds the lease (one small read: call it before each commit) and renew
         the heartbeat (a write, at most once a ``ttl/3`` unless ``force``). Raises :class:`LeaseLost` when
-        another writer took the lease over or it was released. Holder's thread."""
+        another writer took the lease over or it was released, :class:`~ray_ckpt.StorageError` when the storage
+        could not be read or written (an outage: the caller retries later). Holder's thread."""
         if not self.enabled:
             return
         cur, version = self._current()
@@ -119,7 +131,14 @@ class Lease:
                             f"{describe(cur) if cur else 'nobody (released)'}: this writer stopped")
         if not force and time.monotonic() - self._renewed < self.ttl / 3:
             return
-        if self.storage.replace_if(LEASE_KEY, self._record(), version):
+        try:
+            renewed = self.storage.replace_if(LEASE_KEY, self._record(), version)
+        except StorageError:
+            raise
+        except Exception as e:   # noqa: BLE001 - a backend's own error type: a storage fault all the same
+            raise StorageError(f"cannot renew the writer lease of {self.storage.describe()}: "
+                               f"{type(e).__name__}: {e}") from e
+        if renewed:
             self._after_write()
 
     def release(self) -> None:

@@ -69,8 +69,8 @@ def as_stateful(extra_state: Any) -> Any:
 
 
 #: the Python RNG words of the last :func:`rng_state` call and their uint32 array. Most loops never draw from
-#: ``random``: comparing the 625 words (~9 µs) is then cheaper than converting them again (~12 µs idle, 35-40 µs
-#: measured inside a training step). The array is shared by the records that hold it; nothing writes into it.
+#: ``random``: comparing the 625 words is then cheaper than converting them again, more so inside a training step.
+#: The array is shared by the records that hold it; nothing writes into it.
 _py_words: tuple[tuple, Any] = ((), None)
 _U32 = "I" if array.array("I").itemsize == 4 else "L"
 
@@ -79,7 +79,7 @@ def _python_words(words: tuple) -> np.ndarray:
     global _py_words
     last, arr = _py_words
     if words != last:
-        # the Mersenne Twister words as uint32 (2.5 KB binary instead of ~7 KB of JSON integers per step)
+        # the Mersenne Twister words as uint32 (a third of the bytes of JSON integers, every step)
         arr = np.frombuffer(array.array(_U32, words), dtype=np.uint32)
         _py_words = (words, arr)
     return arr

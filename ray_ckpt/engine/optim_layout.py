@@ -13,13 +13,14 @@ from typing import Iterable
 import torch
 
 from ray_ckpt.engine.dtensor import local
+from ray_ckpt.errors import RayCkptError
 
 #: the loop-state key of a step record's parameter fingerprint
 FINGERPRINT_KEY = "fingerprint"
 _FP_PER_TENSOR = 16
 
 
-class ShadowError(RuntimeError):
+class ShadowError(RayCkptError, RuntimeError):
     """The shadow cannot follow this training state (unknown optimizer, missing layout, diverged replay)."""
 
 

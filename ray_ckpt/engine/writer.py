@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ray_ckpt.errors import RayCkptError
 from ray_ckpt.format import checksum, segments
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
@@ -44,7 +45,7 @@ SYNC_MIN_S = 5.0
 SYNC_WAIT_FACTOR = 4.0
 
 
-class WriterError(RuntimeError):
+class WriterError(RayCkptError, RuntimeError):
     """The background writer failed; what was captured after the last commit is not durable."""
 
 

@@ -2,9 +2,9 @@
 
 Every byte a training process hands over is checksummed once, where it is encoded (the sender thread, or the
 local writer thread), and verified on every read from storage. On dense records that pass was the largest
-single cost of the sender thread: zlib's CRC-32 runs at ~4 GB/s on the development machine (0.64 ms per 2.6 MB
-step record), CRC-32C (Castagnoli) through the ``crc32c`` package's SSE4.2 / ARMv8 instructions at ~26 GB/s
-(0.10 ms); both release the interpreter lock on large buffers. Both are reflected 32-bit CRCs with the same
+single cost of the sender thread: CRC-32C (Castagnoli) through the ``crc32c`` package's SSE4.2 / ARMv8
+instructions runs several times faster than zlib's CRC-32 (figures: docs/benchmark-log.md); both release the
+interpreter lock on large buffers. Both are reflected 32-bit CRCs with the same
 pre- and post-inversion, so the checksum of a concatenation is computed from its parts' checksums
 (:func:`combine`): the persistence worker lays chunks end to end into one object without a pass over the bytes.
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ray_ckpt.errors import RayCkptError
+
 #: the largest JSON header accepted (container headers are also bounded by MAX_HEADER_BYTES before parsing)
 MAX_JSON_BYTES = 256 << 20
 
 
-class JSONLimitError(ValueError):
+class JSONLimitError(RayCkptError, ValueError):
     """Malformed, oversized or too deeply nested JSON."""
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ray_ckpt.errors import RayCkptError
+
 _TAG = "__rc"  # every non-list container is a dict with this key: {"__rc": kind, ...}
 _NUMPY_KINDS = set("biufc?")
 #: values stored as themselves, tested by exact type first (most of a loop state's nodes: hyperparameters, step
@@ -25,7 +27,7 @@ _PLAIN = frozenset((str, int, bool, type(None)))
 _PLAIN_JSON = frozenset((str, int, bool, float, type(None)))   # decoding: JSON floats are plain (no NaN tag)
 
 
-class TreeError(TypeError):
+class TreeError(RayCkptError, TypeError):
     """The tree holds a value the format cannot store, or a stored tree is malformed."""
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ray_ckpt.api import restore
 from ray_ckpt.engine import rankloop
 from ray_ckpt.engine.loopstate import derive_rng
+from ray_ckpt.errors import RayCkptError
 from ray_ckpt.lineage import NoCheckpointError
 
 log = logging.getLogger("ray_ckpt")
@@ -30,7 +31,7 @@ log = logging.getLogger("ray_ckpt")
 AGREE_ROUNDS = 3
 
 
-class RestoreError(RuntimeError):
+class RestoreError(RayCkptError, RuntimeError):
     """The ranks of a worker group could not all restore the step they agreed on (raised on every rank)."""
 
 

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from ray_ckpt.engine import grad_support as support
+from ray_ckpt.errors import RayCkptError
 
 __all__ = [
     "DEFAULT_SAMPLE_SIZE",
@@ -242,7 +243,7 @@ def _gather_bytes(payload: torch.Tensor, world: int, process_group) -> tuple[tor
     return out.view(world, payload.numel()), work.get_future()
 
 
-class CompressionExchangeError(RuntimeError):
+class CompressionExchangeError(RayCkptError, RuntimeError):
     """A compression hook's exchange failed (the process group's error: a peer gone, a timeout) or delivered a
     payload that does not check out (short or shifted, stale, out of step, corrupted, an index out of range).
 

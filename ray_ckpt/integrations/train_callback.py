@@ -57,21 +57,25 @@ class RayCkptCallback(ControllerCallback, WorkerGroupCallback):
     docstring). ``storage_uri``/``storage_options`` name the lineage's storage; without ``storage_uri`` it is the
     run's own place, ``<RunConfig.storage_path>/<RunConfig.name>/ray_ckpt`` (:func:`default_location`). A lineage
     belongs to the run (name) that created it: a run with another name pointed at it is refused with an error,
-    unless ``adopt=True`` (continue that lineage under this run's name, taking over its writer lease). ``full_every``/``batch_steps``
-    the frequency policy the coordinator hands to the workers; ``keep_fulls`` > 0 garbage-collects chains older
-    than that many durable full checkpoints; ``mtbf_hint`` (seconds) is the adaptive policy's prior MTBF (the
-    coordinator adapts ``full_every``/``batch_steps`` unless they are given); ``keep_runtime=True`` leaves the coordinator
-    and persistence workers alive after the run (to restore from their memory tier later).
+    unless ``adopt=True`` (continue that lineage under this run's name, taking over its writer lease).
+    ``keep_runtime=True`` leaves the coordinator and persistence workers alive after the run (to restore from their
+    memory tier later).
+
+    The knobs, as :class:`ray_ckpt.Checkpointer` takes them: ``config``, a :class:`~ray_ckpt.CheckpointConfig`, and
+    keyword overrides of its fields (``full_every``, ``batch_steps``, ``keep_fulls``, ``mtbf_hint``, or any other),
+    resolved on the driver by :meth:`CheckpointConfig.resolve` (default < ``RAY_CKPT_*`` environment < fields the
+    config was built with < overrides; an unknown knob raises TypeError naming the closest). The run's coordinator
+    is created with the result (the adaptive policy's knobs, retention, the replica's lag), and the fields given
+    explicitly reach every worker: :func:`ray_ckpt.train.attach` resolves its own config over them (a worker's
+    explicit config and overrides win).
     """
 
     def __init__(self, storage_uri: str | os.PathLike | None = None, *, storage_options: dict | None = None,
-                 full_every: int | None = None, batch_steps: int | None = None, keep_runtime: bool = False,
-                 run: str | None = None, keep_fulls: int | None = None, mtbf_hint: float | None = None,
-                 adopt: bool = False):
+                 config: CheckpointConfig | None = None, keep_runtime: bool = False, run: str | None = None,
+                 adopt: bool = False, **overrides):
         self.storage_uri = os.fspath(storage_uri) if storage_uri is not None else None
         self.storage_options = dict(storage_options or {})
-        self.config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps,
-                                               keep_fulls=keep_fulls, mtbf_hint=mtbf_hint)
+        self.config = CheckpointConfig.resolve(config, **overrides)
         self.keep_runtime = keep_runtime
         self.run = run
         self.adopt = adopt
@@ -94,10 +98,9 @@ class RayCkptCallback(ControllerCallback, WorkerGroupCallback):
         storage = _storage.open_storage(self.storage_uri, **self.storage_options)
         self._storage = storage
         claim_run(storage, run, adopt=self.adopt)
-        coord = get_or_create_coordinator(run, storage, full_every=self.config.full_every,
-                                          batch_steps=self.config.batch_steps, keep_fulls=self.config.keep_fulls,
-                                          policy_options=self.config.policy_options(), takeover=self.adopt)
-        ray.get(coord.set_storage.remote(storage))
+        coord = get_or_create_coordinator(run, storage, config=self.config, takeover=self.adopt)
+        # an existing coordinator (a restarted driver of a run kept alive) takes this callback's explicit knobs too
+        ray.get([coord.set_storage.remote(storage), coord.adopt_config.remote(self.config.explicit)])
         log.info("ray_ckpt: run %r checkpoints to %s", run, storage.describe())
 
     def before_controller_execute_failure_decision(self, failure_decision) -> None:

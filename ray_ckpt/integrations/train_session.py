@@ -54,6 +54,8 @@ class TrainSession:
     last_metrics: dict = field(default_factory=dict)   #: the latest metrics given to :meth:`report`
     #: seconds :func:`attach` spent in each of its phases (``total`` included), as its INFO log line says
     startup: dict = field(default_factory=dict)
+    #: this rank's config in force (:func:`attach` says where each field comes from)
+    config: CheckpointConfig | None = None
     _reported_step: int | None = None
     _hooks: list = field(default_factory=list)
     _closed: bool = False
@@ -126,16 +128,21 @@ class TrainSession:
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scheduler: Any = None,
            strategy: Any = None, extra_state: Any = None, scaler: Any = None,
            storage_uri: str | os.PathLike | None = None, storage_options: dict | None = None,
-           run: str | None = None, report_every: int | None = None, full_every: int | None = None,
-           batch_steps: int | None = None, compression_state: Any = None,
-           sharded_runtime: str = "ray") -> TrainSession:
+           run: str | None = None, report_every: int | None = None, config: CheckpointConfig | None = None,
+           compression_state: Any = None, sharded_runtime: str = "ray", **overrides) -> TrainSession:
     """Attach ray_ckpt inside ``train_loop_per_worker``; call on every worker after building (and wrapping)
     the model and optimizer. Runs in the Ray Train worker process.
 
     On a fresh run it returns ``start_step == 0``. When the run already has a lineage (Ray Train restarted the
     worker group after a failure or resize, or the whole driver was restarted with the same run name), every
     rank restores model, optimizer, scheduler, scaler and extra state to the latest recoverable step and
-    ``start_step`` is that step: the loop continues with its ``(start_step+1)``-th optimizer step. The step is
+    ``start_step`` is that step: the loop continues with its ``(start_step+1)``-th optimizer step.
+
+    The knobs, as :class:`ray_ckpt.Checkpointer` takes them: ``config``, a :class:`~ray_ckpt.CheckpointConfig`, and
+    keyword overrides of its fields (``full_every``, ``overhead_budget``, ``keep_fulls``, or any other), resolved
+    over the fields the run's ``RayCkptCallback`` gave explicitly (:func:`run_config`). The result
+    (``session.config``) drives everything this rank starts: rank 0's Checkpointer, the other ranks' loop-state
+    recorders, the run's actors. The step is
     decided once, by world rank 0, and restored on every rank (see :func:`agreed_restore`); when any rank
     cannot restore it, every rank raises :class:`RestoreError`.
     World rank 0 then captures every optimizer step; every rank reports a pointer checkpoint every
@@ -171,14 +178,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     rank = ctx.get_world_rank()
     storage = _resolve_storage(run, storage_uri, storage_options)
     clock.mark("storage")
-    config = CheckpointConfig.resolve(full_every=full_every, batch_steps=batch_steps)
-    coord = get_or_create_coordinator(run, storage, full_every=config.full_every,
-                                      batch_steps=config.batch_steps, keep_fulls=config.keep_fulls)
-    policy = ray.get(coord.get_policy.remote())
+    config = run_config(run, storage, config, overrides)
     clock.mark("policy")
     sharded = check_params(optimizer) is not None
     if not sharded and rank == 0:   # rank 0's actors start while the ranks agree on the step to restore
-        _prestart_actors(run, storage, strategy, policy)
+        _prestart_actors(run, storage, strategy, config)
         clock.mark("prestart")
     t0 = time.perf_counter()
     parts = PhaseClock()   # the restore's own phases (the agreement's), reported as restore.<phase>
@@ -200,41 +204,54 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
         # (or, locally, the writer lease) is the experiment's, so a restarted worker group continues
         ck = Checkpointer(storage, model, optimizer, scheduler=scheduler, strategy=strategy,
                           extra_state=extra_state, scaler=scaler, start_step=start, runtime=sharded_runtime,
-                          run=run, full_every=policy.full_every, batch_steps=policy.batch_steps)
+                          run=run, config=config)
         clock.mark("checkpointer")
     else:
         if rank == 0:
             ck = Checkpointer(storage, model, optimizer, scheduler=scheduler,
                               strategy=strategy, extra_state=extra_state, scaler=scaler,
-                              start_step=start, runtime="ray", run=run,
-                              full_every=policy.full_every, batch_steps=policy.batch_steps)
+                              start_step=start, runtime="ray", run=run, config=config)
         clock.mark("checkpointer")
         recorder = record_rank_loop(storage, rank, model, optimizer, ck, start=start, extra_state=extra_state,
-                                     full_every=policy.full_every, batch_steps=policy.batch_steps,
-                                     handoff_delay=config.handoff_delay)
+                                     config=config)
         if recorder is not None:   # Ray Train restarts every rank at a preemption's deadline: each writes in time
             watch_sink(recorder.sink, node=False)
         clock.mark("rank_loop")
-    every = policy.full_every if report_every is None else report_every
+    every = config.full_every if report_every is None else report_every
     session = TrainSession(start_step=start, restored=restored, run=run,
                            storage_uri=storage.describe(), world_rank=rank, checkpointer=ck,
                            restore_seconds=restore_seconds, loop_recorder=recorder, report_every=every,
-                           step=start, startup=startup_phases(clock, ck, restore=parts.phases))
+                           step=start, startup=startup_phases(clock, ck, restore=parts.phases), config=config)
     log.info("ray_ckpt: rank %d attached in %s", rank, startup_line(session.startup))
     session._hooks.append(optimizer.register_step_post_hook(_pointer_hook(session)))
     return session
 
 
-def _prestart_actors(run: str, storage, strategy, policy) -> None:
+def run_config(run: str, storage, config: CheckpointConfig | None, overrides: dict) -> CheckpointConfig:
+    """This rank's config in force, field by field from lowest to highest precedence: the default, this process's
+    ``RAY_CKPT_<FIELD>`` environment, the fields the run's ``RayCkptCallback`` gave explicitly (held by the run's
+    coordinator, created here with this rank's config when there is none), the fields ``config`` was built with,
+    the keyword ``overrides`` (:meth:`CheckpointConfig.resolve` with ``base``); ``full_every``/``batch_steps`` are
+    the run's adaptive policy's choice in force. An unknown knob raises TypeError naming the closest. The fields it
+    gives explicitly become the run's when rank 0's Checkpointer attaches (the coordinator's
+    ``status()["config"]``), except the adaptive policy's knobs, which the coordinator keeps from its creation
+    (give those to the callback). Training worker."""
+    mine = CheckpointConfig.resolve(config, **overrides)   # an unknown knob fails here, before any actor starts
+    coord = get_or_create_coordinator(run, storage, config=mine)
+    policy, run_cfg = ray.get([coord.get_policy.remote(), coord.get_config.remote()])
+    return CheckpointConfig.resolve(mine, base=run_cfg.explicit, full_every=policy.full_every,
+                                    batch_steps=policy.batch_steps)
+
+
+def _prestart_actors(run: str, storage, strategy, config: CheckpointConfig) -> None:
     """World rank 0 of a replicated-state group: start its Checkpointer's actors (this node's persistence worker,
     the replica) now, so that their processes start during the restore agreement rather than one after the
     other inside the attach. Best effort: a failure here is logged, and the attach creates them (and raises)
     as it always does. Training worker."""
     try:
-        prestart(run, storage, config=CheckpointConfig.resolve(full_every=policy.full_every,
-                                                              batch_steps=policy.batch_steps),
+        prestart(run, storage, config=config,
                  lowdiff=impl_for(strategy if strategy is not None else LowDiff()).name == "lowdiff",
-                 full_every=policy.full_every)
+                 full_every=config.full_every)
     except Exception as e:  # noqa: BLE001 - an optimization only
         log.info("ray_ckpt: could not start the run's actors ahead of the attach (%s)", e)
 
@@ -257,16 +274,14 @@ def startup_line(phases: dict) -> str:
     return f"{phases.get('total', 0.0):.2f} s ({parts})"
 
 
-def record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state, full_every, batch_steps,
-                     handoff_delay: float | None = None):
+def record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state, config: CheckpointConfig):
     """Ranks > 0 of a process group record their own loop state, tagged with rank 0's generation (broadcast:
     collective). None on rank 0 and without a group. Training process.
 
-    Their records are written within ``handoff_delay`` seconds (default: the configured ``handoff_delay``,
-    ``RAY_CKPT_HANDOFF_DELAY`` included) or ``batch_steps`` steps, whichever comes first: the cadence at which
-    rank 0 hands its step records over, so a rank's death costs the group no more steps than rank 0's would."""
-    if handoff_delay is None:
-        handoff_delay = CheckpointConfig.resolve().handoff_delay
+    ``config`` is the rank's config in force (:func:`attach`'s): a loop-state full every ``full_every`` steps, and
+    records written within ``handoff_delay`` seconds or ``batch_steps`` steps, whichever comes first: the cadence
+    at which rank 0 hands its step records over, so a rank's death costs the group no more steps than rank 0's
+    would."""
     group = Collective()
     if group.world == 1:
         return None
@@ -274,8 +289,8 @@ def record_rank_loop(storage, rank, model, optimizer, ck, *, start, extra_state,
     if rank == 0:
         return None
     return RankLoopRecorder(storage, rank, unwrap(model), optimizer, main_generation=generation,
-                            start_step=start, extra_state=extra_state, full_every=full_every,
-                            batch_steps=batch_steps, max_batch_delay=handoff_delay)
+                            start_step=start, extra_state=extra_state, full_every=config.full_every,
+                            batch_steps=config.batch_steps, max_batch_delay=config.handoff_delay)
 
 
 def _resolve_storage(run: str, storage_uri, storage_options):
@@ -309,4 +324,4 @@ def _pointer_hook(session: TrainSession):
 
 # read_pointer: the reader of the pointer files this module reports, for ray_ckpt.train (which imports only
 # from integrations)
-__all__ = ["TrainSession", "attach", "read_pointer", "record_rank_loop"]
+__all__ = ["TrainSession", "attach", "read_pointer", "record_rank_loop", "run_config"]

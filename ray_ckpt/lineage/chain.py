@@ -17,11 +17,12 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
+from ray_ckpt.errors import RayCkptError
 from ray_ckpt.lineage import unrecoverable
 from ray_ckpt.lineage.manifest import Manifest
 
 
-class NoCheckpointError(LookupError):
+class NoCheckpointError(RayCkptError, LookupError):
     """No committed state satisfies the request."""
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 
+from ray_ckpt.errors import RayCkptError
 from ray_ckpt.lineage import layout
 from ray_ckpt.lineage.layout import INDEX_KEY
 from ray_ckpt.lineage.manifest import Manifest, ManifestError
@@ -39,7 +40,7 @@ from ray_ckpt.lineage.manifest import Manifest, ManifestError
 INDEX_FORMAT = 1
 
 
-class IndexError_(ValueError):
+class IndexError_(RayCkptError, ValueError):
     """The index object is malformed (readers fall back to listing)."""
 
 
@@ -113,8 +114,8 @@ def newer_keys(storage, generation: int, watermarks: dict) -> list[str]:
 
 
 class RewriteClock:
-    """When an index writer rewrites the index at a full. Encoding every manifest is linear in the run (0.3 s
-    of CPU for 36,000 manifests, an hour at 100 steps/s in 10-step objects, measured): at every full while a
+    """When an index writer rewrites the index at a full. Encoding every manifest is linear in the run (a long
+    run's index costs a noticeable share of a CPU to rewrite): at every full while a
     rewrite costs under :attr:`CHEAP_S` of the writing thread's CPU, then at most once per :attr:`COST_FACTOR`
     times that CPU cost (its CPU share stays near 1/COST_FACTOR; readers list the manifests committed after it,
     see above), and always when ``force`` is set (garbage collection deleted objects the last index names).

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ray_ckpt.errors import RayCkptError
 from ray_ckpt.lineage import layout
 
 MAX_OBJECT_BYTES = 1 << 46  # 64 TiB: anything larger is refused as absurd
@@ -24,7 +25,7 @@ MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few hundred bytes; its info dict
 CRC_ALGORITHMS = ("crc32", "crc32c")
 
 
-class ManifestError(ValueError):
+class ManifestError(RayCkptError, ValueError):
     """A manifest is malformed or hostile. Names the manifest."""
 
 

@@ -1,4 +1,4 @@
-"""Why a step is not recoverable, in words: the message of :class:`~ray_ckpt.lineage.NoCheckpointError` when a
+"""Why a step is not recoverable, in words: the message of :class:`ray_ckpt.NoCheckpointError` when a
 restore asks for a step no chain of the current timeline reaches (:meth:`ray_ckpt.lineage.Lineage.resolve`).
 
 Two causes are told apart from what the lineage records, not guessed from step numbers:

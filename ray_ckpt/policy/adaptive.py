@@ -149,7 +149,7 @@ def optimize(c: CostInputs, limits: Limits = Limits()) -> PolicyChoice:
 
     The loss is a sum of a term in ``N`` and a term in ``B``: each is minimised on its own (closed-form
     neighbourhood + log grid + integer refinement); only when that pair breaks a limit does a 2-D search over
-    the grid run. About 1 ms (10-50 ms in the constrained case).
+    the grid run, which costs more: the constrained case is the slow one.
     """
     k = c.background_cost
     cf = c.full_block_s + k * c.full_persist_s

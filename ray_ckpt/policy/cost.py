@@ -175,8 +175,8 @@ class CostModel:
     restart_s: float = 30.0           #: default restart time until a restore is measured
     started_at: float = 0.0           #: time the run started (exposure is counted from here)
     #: wall time per step over the last ~50 steps (alpha 0.02), pauses (evaluation, stalls) amortized: the
-    #: conversion of a checkpoint interval between seconds and steps. A fast estimate (0.2) made a periodic
-    #: pause swing the chosen interval by 6x (each swing down took a full at once)
+    #: conversion of a checkpoint interval between seconds and steps. A fast estimate made a periodic pause swing
+    #: the chosen interval several-fold (each swing down took a full at once)
     step: RunningEstimate = field(default_factory=lambda: RunningEstimate(1.0, alpha=0.02))
     full_block: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0))
     full_persist: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0))

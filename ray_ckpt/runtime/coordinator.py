@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.lineage import Lineage, Manifest, NoCheckpointError, collectable, gc_cutoff, range_difference
 from ray_ckpt.lineage.manifest import lazy_diffs
@@ -47,6 +48,7 @@ from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.gaps import GapWatch
 from ray_ckpt.runtime.placement import prefer_node
+from ray_ckpt.storage import StorageError
 from ray_ckpt.lineage import drains as drain_records
 from ray_ckpt.lineage import retention
 
@@ -54,14 +56,14 @@ log = logging.getLogger("ray_ckpt")
 
 
 #: the periodic figures (control, metrics, gap checks) are recomputed at most once per this many times the CPU
-#: their last computation took: they are linear in the run's objects (36,000 after an hour at 100 steps/s in
-#: 10-step chunks: 0.17 s for status() measured), so their CPU share stays near 1/COST_FACTOR while their age grows
+#: their last computation took: they are linear in the run's objects, which grow with a long run, so their CPU
+#: share stays near 1/COST_FACTOR while their age grows (figures: docs/benchmark-log.md)
 COST_FACTOR = 50.0
 #: below this many CPU seconds a periodic computation is redone every time, as in a short run
 CHEAP_S = 0.005
 #: the worker update calls per second this actor asks of all its reporting workers together: each call costs the
-#: actor a fixed ~0.1-0.3 ms besides its messages, so a wide job's workers report less often each (their reports
-#: batched into fewer calls) instead of one call per node every 50 ms (docs/scale.md)
+#: actor a fixed overhead besides its messages, so a wide job's workers report less often each (their reports
+#: batched into fewer calls) instead of one call per node every MIN_REPORT_INTERVAL_S (docs/scale.md)
 REPORT_CALLS_PER_S = 200.0
 #: the shortest report interval a worker is asked for (seconds): a narrow job's coordinator lags by at most this
 MIN_REPORT_INTERVAL_S = 0.05
@@ -99,10 +101,13 @@ def _num(v) -> float:
 
 
 class Coordinator:
-    def __init__(self, run: str, storage, full_every: int, batch_steps: int, keep_fulls: int = 0,
-                 max_replica_lag: int = 100, policy_options: dict | None = None, hosted: bool = False):
+    def __init__(self, run: str, storage, config: CheckpointConfig, hosted: bool = False):
         self.run = run
-        self.max_replica_lag = max_replica_lag
+        #: the run's config: as its creator resolved it (the callback, or the first attach), with the fields each
+        #: attaching trainer gave explicitly (:meth:`adopt_config`); :meth:`get_config` hands it to the workers
+        self.config = config
+        full_every, batch_steps = config.full_every, config.batch_steps
+        self.max_replica_lag = config.max_replica_lag
         self.replica: _Replica | None = None
         self.gap_watch = GapWatch()   # holes, hand-offs in flight, declared gaps (see _check_gaps)
         self._want_full: set[int] = set()                # generations whose trainer must take a full now
@@ -114,7 +119,7 @@ class Coordinator:
         self._view_counts = (0, 0)    # objects held by a live node, by two or more: counted with the view
         self._index_clock = _lineage_index.RewriteClock()
         self._nodes_cache: tuple[float, set[str]] | None = None   # (when, alive node ids), see _alive_nodes
-        self.keep_fulls = keep_fulls  # > 0: garbage-collect chains older than that many durable fulls
+        self.keep_fulls = config.keep_fulls  # > 0: garbage-collect chains older than that many durable fulls
         self._gc_floor: tuple[int, int] | None = None   # (generation, step) of the last GC's oldest kept full
         self.storage = storage
         self.policy = FixedFrequencyPolicy(full_every, batch_steps)
@@ -128,6 +133,7 @@ class Coordinator:
         self._metrics_t = 0.0
         self.lease = Lease(storage, run=run)   # taken by get_or_create_coordinator; renewed here
         self.lease_lost: str | None = None
+        self._lease_failing = False   # the last renewal met a storage error (logged once as a WARNING)
         self._changes = 0            # reports and failures seen (publish_metrics computes only after changes)
         self._published_changes = -1
         self._reporters: dict[str, float] = {}   # node -> when its last update arrived (see report_interval)
@@ -141,7 +147,7 @@ class Coordinator:
         self._drain_watch = None if hosted else drain_watch.start_coordinator_watch(run)
         # the adaptive policy: fed by commits and failures; pinned values never change
         self.tuner = _adaptive.make_tuner(full_every, batch_steps, started_at=self.started_at,
-                                          **(policy_options or {}))
+                                          **config.policy_options())
         self._rebuild()
 
     # -- state ---------------------------------------------------------------------------------------------------
@@ -361,11 +367,18 @@ class Coordinator:
             return
         try:
             self.lease.renew()
+            if self._lease_failing:
+                log.warning("ray_ckpt coordinator: the writer lease is renewed again")
+            self._lease_failing = False
         except LeaseLost as e:
             self.lease_lost = str(e)
             log.error("ray_ckpt coordinator: %s", e)
-        except Exception as e:  # noqa: BLE001 - storage hiccup: the next tick retries
-            log.info("ray_ckpt coordinator: lease renewal failed (%s); retrying", e)
+        except StorageError as e:   # an outage: the next tick retries (the lease outlives a few missed heartbeats)
+            log.log(logging.INFO if self._lease_failing else logging.WARNING,
+                    "ray_ckpt coordinator: storage error renewing the writer lease (%s); retrying", e)
+            self._lease_failing = True
+        except Exception as e:  # noqa: BLE001 - not a storage fault: a bug, logged with its type; the next tick retries
+            log.error("ray_ckpt coordinator: lease renewal failed (%s: %s); retrying", type(e).__name__, e)
 
     def release_lease(self) -> None:
         """Delete the run's lease (end of the run)."""
@@ -748,6 +761,18 @@ class Coordinator:
         (no actor method hands out a backend: callers open the URI with their own credentials)."""
         return self.storage.describe()
 
+    def get_config(self) -> CheckpointConfig:
+        """The run's config (:attr:`config`); its :attr:`~ray_ckpt.CheckpointConfig.explicit` fields are what
+        :func:`ray_ckpt.train.attach` resolves the workers' configs over."""
+        return self.config
+
+    def adopt_config(self, given: dict) -> None:
+        """An attaching trainer's explicit fields (its ``config.explicit``) win over the run's: ``keep_fulls`` and
+        ``max_replica_lag`` apply from now on; the adaptive policy keeps the knobs it was created with (its
+        history is built on them). :meth:`status` shows the result under ``config``."""
+        self.config = self.config.with_given(given)
+        self.keep_fulls, self.max_replica_lag = self.config.keep_fulls, self.config.max_replica_lag
+
     def get_policy(self) -> FixedFrequencyPolicy:
         """The frequency policy for a (re)attaching Checkpointer: the adaptive policy's choice in force."""
         return FixedFrequencyPolicy(*self.tuner.current())
@@ -898,7 +923,7 @@ class Coordinator:
                 "memory_objects": self._view_counts[0], "replicated_objects": self._view_counts[1],
                 "generation": self._last_generation, "failures": len(self.failures),
                 "restorable": self._restorable(durable, anywhere), "started_at": self.started_at,
-                "lease_lost": self.lease_lost, "view_age_s": round(view_age, 3)}
+                "lease_lost": self.lease_lost, "view_age_s": round(view_age, 3), "config": self.config.as_dict()}
 
     def restorable(self, max_age: float = 0.0) -> dict:
         """Which steps of the current generation restore from which tier: ``{"durable": ranges (storage alone),
@@ -995,11 +1020,10 @@ class CoordinatorHost(lineages.LineageHost):
     leases; one drain watch tells every lineage of node drains. Calls run one at a time, as in a run's
     coordinator. Coordinator host actor; its methods are called remotely."""
 
-    def __init__(self, job: str, root, full_every: int, batch_steps: int, keep_fulls: int = 0,
-                 max_replica_lag: int = 100, policy_options: dict | None = None):
+    def __init__(self, job: str, root, config: CheckpointConfig):
         self._host_init(job)
         self.root = root
-        self._args = (full_every, batch_steps, keep_fulls, max_replica_lag, policy_options)
+        self._config = config   # each lineage's Coordinator starts from it
         self._reporting = (0.0, 0)   # (when counted, workers reporting to any lineage), see lineage_call
         threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
         self._drain_watch = drain_watch.start_coordinator_watch(job)
@@ -1008,7 +1032,7 @@ class CoordinatorHost(lineages.LineageHost):
         return super()._lineage(run, True)   # any call may (re)open a lineage of the job
 
     def _open(self, run: str) -> Coordinator:
-        c = Coordinator(run, lineages.lineage_storage(self.root, run), *self._args, hosted=True)
+        c = Coordinator(run, lineages.lineage_storage(self.root, run), self._config, hosted=True)
         # opened by a call that is not its attach (this host restarted, or a restore plans from it): it renews
         # the lineage's lease only while the lease is its run's (else a restore's plan would log a lost lease)
         rec = read_lease(c.storage) if c.lease.enabled else {"run": run}
@@ -1087,13 +1111,13 @@ class CoordinatorHost(lineages.LineageHost):
 _host_cls = None
 
 
-def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps: int, keep_fulls: int = 0,
-                              max_replica_lag: int = 100, policy_options: dict | None = None,
-                              takeover: bool = False):
-    """The run's coordinator (created detached if missing). Any process connected to Ray.
+def get_or_create_coordinator(run: str, storage, *, config: CheckpointConfig, takeover: bool = False):
+    """The run's coordinator (created detached if missing, with ``config``, the caller's resolved config: the
+    frequency policy's start, retention, the replica's lag; an existing one keeps its own). Any process connected
+    to Ray.
 
     Creating it takes the lineage's writer lease for the run (:mod:`ray_ckpt.engine.lease`): when another job
-    writes ``storage``, :class:`~ray_ckpt.engine.lease.LeaseError` names it here, in the caller (``takeover``
+    writes ``storage``, :class:`ray_ckpt.LeaseError` names it here, in the caller (``takeover``
     replaces a gone job's lease). The coordinator renews the lease and :func:`shutdown_run` releases it.
 
     A shard run (:func:`ray_ckpt.runtime.lineages.is_shard_run`) gets its lineage of the job's
@@ -1101,8 +1125,7 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
     one coordinator actor per sharded job, whatever its number of ranks."""
     global _remote_cls
     if lineages.is_shard_run(run):
-        return _shard_coordinator(run, storage, takeover=takeover,
-                                  args=(full_every, batch_steps, keep_fulls, max_replica_lag, policy_options))
+        return _shard_coordinator(run, storage, takeover=takeover, config=config)
     name = naming.coordinator_name(run)
     try:
         return ray.get_actor(name, namespace=naming.NAMESPACE)
@@ -1113,12 +1136,10 @@ def get_or_create_coordinator(run: str, storage, *, full_every: int, batch_steps
         _remote_cls = ray.remote(Coordinator)
     return _remote_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
                        max_restarts=-1, max_task_retries=-1, num_cpus=0,
-                       **_head_node_affinity()).remote(run, storage, full_every,
-                                                                               batch_steps, keep_fulls,
-                                                                               max_replica_lag, policy_options)
+                       **_head_node_affinity()).remote(run, storage, config)
 
 
-def _shard_coordinator(run: str, storage, *, takeover: bool, args: tuple):
+def _shard_coordinator(run: str, storage, *, takeover: bool, config: CheckpointConfig):
     """The lineage ``run`` of its job's coordinator host (created detached, head node preferred, if missing),
     opened with its lease taken. Any process connected to Ray (the training process of a rank, at attach)."""
     global _host_cls
@@ -1136,7 +1157,7 @@ def _shard_coordinator(run: str, storage, *, takeover: bool, args: tuple):
             _host_cls = ray.remote(CoordinatorHost)
         host = _host_cls.options(name=name, namespace=naming.NAMESPACE, lifetime="detached", get_if_exists=True,
                                  max_restarts=-1, max_task_retries=-1, num_cpus=0,
-                                 **_head_node_affinity()).remote(job, lineages.root_storage(storage, run), *args)
+                                 **_head_node_affinity()).remote(job, lineages.root_storage(storage, run), config)
     ray.get(host.open_lineage.remote(run, storage.describe()), timeout=120)
     return lineages.LineageHandle(host, run)
 

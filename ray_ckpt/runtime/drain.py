@@ -3,8 +3,8 @@
 Ray 2.60 marks a node as *draining* in the GCS when the autoscaler, a cloud's spot/preemption handler or
 ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds S`` calls DrainNode; the node
 keeps running until whoever drained it removes it (at the deadline, or when it is idle). New actors are no longer
-placed there. ray_ckpt reads the draining nodes and their deadlines (:func:`draining_nodes`: one GCS call,
-~0.5 ms here; the same call Ray Train's ``PreemptionWatcher`` and Ray Data make) and reacts without any call
+placed there. ray_ckpt reads the draining nodes and their deadlines (:func:`draining_nodes`: one cheap GCS
+call; the same call Ray Train's ``PreemptionWatcher`` and Ray Data make) and reacts without any call
 from the user:
 
 * the run's coordinator polls at :data:`POLL_S` (:func:`start_coordinator_watch`); on a new drain it tells every

@@ -33,13 +33,14 @@ import threading
 
 import ray
 
+from ray_ckpt.errors import RayCkptError
 from ray_ckpt.lineage.layout import SHARD_RUN_TAG, SHARDS_DIR
 from ray_ckpt.runtime import naming
 
 _SHARD_RE = re.compile(r"^w(\d{5})-r(\d{5})$")
 
 
-class UnknownLineage(ValueError):
+class UnknownLineage(RayCkptError, ValueError):
     """A host was asked about a lineage it does not hold (raised in the host; a caller sees a RayTaskError that
     is also a ValueError, as for an actor that does not exist)."""
 

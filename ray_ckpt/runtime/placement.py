@@ -4,9 +4,9 @@ from __future__ import annotations
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 # Ray 2.60 ignores *soft* NodeAffinity for an actor that requests no resources at all (num_cpus=0 and nothing
-# else): measured on a 3-node ray.cluster_utils.Cluster, such an actor landed on another node in most tries.
-# One byte of the node's "memory" resource makes the request non-empty, and the affinity is then honoured in
-# every try, while never competing with trainers for CPUs or GPUs.
+# else): on a multi-node ray.cluster_utils.Cluster such an actor lands on other nodes. One byte of the node's
+# "memory" resource makes the request non-empty, and the affinity is then honoured, while never competing with
+# trainers for CPUs or GPUs.
 _NOMINAL_MEMORY = 1
 
 

@@ -5,9 +5,9 @@ The capture copies each step's dense gradients into one buffer (:class:`ray_ckpt
 the Ray runtime that buffer is carved out of a :class:`SharedArena` — an anonymous memory file (``memfd``) the
 training process maps — and the chunk handed to the worker names it by a small descriptor instead of carrying its
 bytes: the worker maps the same memory (:func:`resolve`, through ``/proc/<pid>/fd/<fd>``) and its ``ray.put``
-makes the object-store copy on the worker's core. Without it, the training process pays that copy: measured 2.7-4.8
-ms of process CPU per ``ray.put`` of 2.7 MB on a loaded 2-core machine, against 0.1-0.2 ms for the capture's own copy
-of the same bytes into a recycled buffer (``benchmarks/train_cpu.py``, "ray.put copy" and "capture copy").
+makes the object-store copy on the worker's core. Without it, the training process pays that copy, an order of
+magnitude more CPU than the capture's own copy of the same bytes into a recycled buffer (figures:
+docs/benchmark-log.md; ``benchmarks/train_cpu.py``, "ray.put copy" and "capture copy").
 
 A buffer is reused only once the chunk that named it is safe (held on two nodes or durable): the worker copies it
 before it answers, and a restarted worker reads it again from the same memory when the sender resends the chunk.
@@ -26,12 +26,14 @@ import threading
 
 import numpy as np
 
+from ray_ckpt.errors import RayCkptError
+
 #: the first element of a descriptor in a chunk's buffer list
 TAG = "ray_ckpt.shm"
 _ALIGN = 4096
 
 
-class SharedMemoryUnavailable(RuntimeError):
+class SharedMemoryUnavailable(RayCkptError, RuntimeError):
     """The persistence worker cannot map the training process's shared memory (it then sends the bytes)."""
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, Union, runtime_checkable
 
+from ray_ckpt.errors import RayCkptError
+
 #: Names (file or folder segments) starting with this prefix are reserved for in-flight writes of the local
 #: backend. Such keys are refused by :func:`validate_key` and never returned by ``list()``.
 TMP_PREFIX = ".tmp-"
@@ -27,7 +29,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 Data = Union[Buffer, Sequence[Buffer]]
 
 
-class StorageError(Exception):
+class StorageError(RayCkptError):
     """Base of every error raised by the storage layer; I/O errors are chained as ``__cause__``."""
 
 

@@ -8,8 +8,8 @@ mid-write leaves only a ``.tmp-*`` file, which readers and ``list()`` ignore.
 Once fsynced, the pages of an object of at least ``DROP_CACHE_MIN_BYTES`` are dropped from the page cache
 (``POSIX_FADV_DONTNEED``): checkpoint bytes are read back only by a restore, and a run writing every step's
 gradients (GBs an hour) would otherwise fill the page cache with them, evicting the pages training reads and
-making the kernel allocate fresh memory for every write — measured on this project's 2-core VM: 120 ms of CPU
-per 26 MB fsynced write into fresh page cache, 7–12 ms when the written pages are dropped. A restore
+making the kernel allocate fresh memory for every write, many times the CPU of a write whose pages are dropped
+(figures: docs/benchmark-log.md). A restore
 then reads from the disk, as it would after any real failure.
 
 Runs in any process; thread-safe (no shared mutable state; temp names are unique per write).

@@ -14,16 +14,18 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+from ray_ckpt.storage.base import StorageError
+
 log = logging.getLogger("ray_ckpt")
 
 T = TypeVar("T")
 
 
-class RetryBudgetExceeded(Exception):
+class RetryBudgetExceeded(StorageError):
     """A storage call kept failing for the whole retry budget (the last error is chained)."""
 
 
-class PermanentStorageError(Exception):
+class PermanentStorageError(StorageError):
     """A storage call failed in a way waiting does not fix (permission denied, read-only, disk full, no such
     bucket): raised at once, the original error chained."""
 

@@ -119,6 +119,14 @@ def _rebuild(bucket: str, prefix: str, public: dict, uri: str, sealed) -> "S3Bac
 _READ_ATTEMPTS = 8
 
 
+def _error_code(e: BaseException) -> str | None:
+    """The S3 error code of a botocore error (``"NoSuchKey"``, ``"PreconditionFailed"``...), or None: a connection
+    error or timeout (an outage) carries no response (botocore's ``HTTPClientError`` sets ``response=None``)."""
+    response = getattr(e, "response", None)
+    error = response.get("Error") if isinstance(response, dict) else None
+    return error.get("Code") if isinstance(error, dict) else None
+
+
 def _version(f) -> tuple | None:
     """(ETag, Last-Modified) from the HEAD that opened ``f``, or ``None`` if the server sends no ETag."""
     meta = f.metadata()
@@ -394,8 +402,7 @@ class S3Backend:
             client.put_object(Bucket=self.bucket, Key=root + validate_key(key), Body=body, **cond)
             return True
         except Exception as e:  # noqa: BLE001 - botocore's errors
-            code = getattr(e, "response", {}).get("Error", {}).get("Code")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+            if _error_code(e) in ("PreconditionFailed", "ConditionalRequestConflict"):
                 return False
             raise StorageError(f"cannot {what} {self.key_uri(key)}: {e}") from e
 
@@ -411,8 +418,7 @@ class S3Backend:
             resp = client.get_object(Bucket=self.bucket, Key=root + validate_key(key))
             return resp["Body"].read(), resp["ETag"]
         except Exception as e:  # noqa: BLE001
-            code = getattr(e, "response", {}).get("Error", {}).get("Code")
-            if code in ("NoSuchKey", "404"):
+            if _error_code(e) in ("NoSuchKey", "404"):
                 raise ObjectNotFound(f"no object {self.key_uri(key)}") from None
             raise StorageError(f"cannot read {self.key_uri(key)}: {e}") from e
 
