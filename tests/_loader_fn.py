@@ -1,7 +1,7 @@
 """The epoch-shaped train_loop_per_worker of the Ray Train loader and rank-death tests (importable by Ray workers):
 an MLP with Dropout, SGD with momentum, ``prepare_model`` + ``prepare_data_loader`` over a plain shuffling
-``DataLoader`` without a generator of its own, the epoch loop of the Ray Train guide; optionally the top-k hook
-with error feedback. :func:`reference_worker` runs the same loop in torch.multiprocessing gloo ranks, without Ray
+``DataLoader`` (``config["generator"]``: with a generator of its own, seeded with it, as Ray Train's Fashion-MNIST
+quickstart's users write it), the epoch loop of the Ray Train guide; optionally the top-k hook with error feedback. :func:`reference_worker` runs the same loop in torch.multiprocessing gloo ranks, without Ray
 Train and without ray_ckpt (``DistributedDataParallel`` and a ``DistributedSampler`` loader, as
 ``prepare_model``/``prepare_data_loader`` build them on CPU): the uninterrupted run to compare with."""
 from __future__ import annotations
@@ -94,7 +94,8 @@ def epoch_loop(config: dict) -> None:
     topk = _topk(net) if config.get("topk") else None
     torch.manual_seed(100 + rank)                       # each rank's own dropout stream
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loader = ray.train.torch.prepare_data_loader(DataLoader(ds, batch_size=BATCH, shuffle=True))
+    loader = ray.train.torch.prepare_data_loader(DataLoader(ds, batch_size=BATCH, shuffle=True,
+                                                            generator=_generator(config)))
     data = ray_ckpt.train.ResumableLoader(loader)
     storage = None
     if config.get("gate"):   # the lineage on a storage that refuses writes while the gate file exists
@@ -110,6 +111,12 @@ def epoch_loop(config: dict) -> None:
     session.close()
     _final(config["out"], rank, session.start_step, session.restored, step, data, model, opt,
            session.restore_seconds, session.startup)
+
+
+def _generator(config: dict):
+    """The loader's own generator (``config["generator"]``: its seed), or None: the global RNG."""
+    seed = config.get("generator")
+    return None if seed is None else torch.Generator().manual_seed(seed)
 
 
 def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
@@ -130,7 +137,8 @@ def reference_worker(rank: int, world: int, port: int, configs: list) -> None:
                 _topk(net)
             torch.manual_seed(100 + rank)
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            loader = DataLoader(ds, batch_size=BATCH, shuffle=False, sampler=DistributedSampler(ds, shuffle=True))
+            loader = DataLoader(ds, batch_size=BATCH, shuffle=False, sampler=DistributedSampler(ds, shuffle=True),
+                                generator=_generator(config))
             data = ray_ckpt.train.ResumableLoader(loader)
             step = _train(net, opt, data, rank=rank, start=0, config=config)
             _final(config["out"], rank, 0, False, step, data, model, opt)

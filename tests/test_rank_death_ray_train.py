@@ -1,6 +1,6 @@
 """A rank's death under Ray Train, on any rank, dense or top-k compressed, in both recording modes: the guide's epoch
-loop (2 CPU workers, prepare_model + prepare_data_loader over a plain shuffling DataLoader without a generator of
-its own, ResumableLoader, Dropout, SGD with momentum) with rank 0 or rank 1 SIGKILLed mid-epoch; no surviving rank
+loop (2 CPU workers, prepare_model + prepare_data_loader over a plain shuffling DataLoader (every-k: with a
+generator of its own), ResumableLoader, Dropout, SGD with momentum) with rank 0 or rank 1 SIGKILLed mid-epoch; no surviving rank
 completes a step past the kill, and every rank ends bitwise in the uninterrupted run's state (model, optimizer,
 RNG). Every step recorded (``recovery_every=1``, ``handoff_delay=0``: each step's records are handed off as they
 are captured): it resumes at the kill step or the one before. A full every 5 steps (``recovery_every=5``, the
@@ -27,7 +27,9 @@ KILL_AT = 13                       # epoch 1, batch 5
 def references(tmp_path_factory):
     """The uninterrupted dense and top-k runs, in one 2-rank gloo group."""
     tmp = tmp_path_factory.mktemp("rank-death-ref")
-    configs = {mode: {"out": str(tmp / mode), "topk": mode == "topk"} for mode in ("dense", "topk")}
+    configs = {mode: {"out": str(tmp / mode), "topk": mode.startswith("topk"),
+                      **({"generator": GENERATOR_SEED} if mode.endswith("gen") else {})}
+               for mode in ("dense", "topk", "dense-gen", "topk-gen")}
     for c in configs.values():
         os.makedirs(c["out"])
     T.spawn(reference_worker, args=(2, T.free_port(), list(configs.values())), nprocs=2)
@@ -43,6 +45,7 @@ def _fit(tmp, name, config):
 #: (a full every EVERY_K steps, the steps between unrecorded), each pinned with recovery_every
 EVERY_K = 5
 RECORDING = {"every_step": "1", "every_k": str(EVERY_K)}
+GENERATOR_SEED = 3
 
 
 def _case(tmp_path, references, kill_rank, mode, recording="every_step"):
@@ -50,6 +53,9 @@ def _case(tmp_path, references, kill_rank, mode, recording="every_step"):
     out.mkdir()
     config = {"out": str(out), "kill_at": KILL_AT, "kill_rank": kill_rank, "step_sleep": 0.02,
               "topk": mode == "topk", "progress": True, "env": {"RAY_CKPT_RECOVERY_EVERY": RECORDING[recording]}}
+    if recording == "every_k":   # the quickstart's shape: the prepared loader has a generator of its own
+        config["generator"] = GENERATOR_SEED
+        mode = f"{mode}-gen"
     if recording == "every_step":
         config["handoff_delay"] = 0   # each step handed off as captured: at most one step lost
     # (every_k: the default handoff_delay, so the ranks' loop state may trail rank 0's latest full: the group then
@@ -84,7 +90,8 @@ def _case(tmp_path, references, kill_rank, mode, recording="every_step"):
         assert torch.equal(ref["rng"], got["rng"]), f"rank {rank}: RNG"
 
 
-# two cases in `make test` (each rank once, each mode once); the other two under `long`
+# four cases in `make test`: every step recorded (rank 1 dense, rank 0 top-k) and every-k (rank 0 and rank 1, the
+# quickstart's loader with a generator); the other three under `long`
 @pytest.mark.ray
 @pytest.mark.parametrize("kill_rank,mode,recording", [
     (1, "dense", "every_step"), (0, "topk", "every_step"), (0, "dense", "every_k"), (1, "dense", "every_k"),
