@@ -69,6 +69,25 @@ def test_layers_import_only_downwards():
     assert not problems, "\n".join(problems)
 
 
+def test_the_actors_never_import_the_training_process_side():
+    """Inside the runtime layer, ``ray_ckpt/runtime/trainer/`` is the code that runs in the training process (the
+    sink and its sender, the attach and restore helpers, the shared-memory arena, the drain watch); the rest of
+    ``ray_ckpt/runtime/`` is the actors' (persistence workers, coordinator, replica) and what both sides share. The
+    trainer side creates and calls the actors; an actor importing it would load the training process's code (and
+    torch) into every actor process."""
+    base = os.path.join(PKG, "runtime")
+    problems = []
+    for d, _, fs in os.walk(base):
+        if os.path.relpath(d, base).split(os.sep)[0] == "trainer":
+            continue
+        for f in fs:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                problems += [f"{path}: imports {mod}" for mod in _imports(path)
+                             if mod.startswith("ray_ckpt.runtime.trainer")]
+    assert not problems, "\n".join(problems)
+
+
 def _python_ok(code: str) -> None:
     """Run ``code`` in a fresh interpreter (nothing imported yet) and require it to succeed."""
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
