@@ -58,7 +58,7 @@ def preimport() -> None:
     import ray_ckpt.compression  # noqa: F401
     try:
         import ray.train.torch  # noqa: F401
-        import ray_ckpt.runtime.client  # noqa: F401
+        import ray_ckpt.runtime.trainer.client  # noqa: F401
         import ray_ckpt.runtime.coordinator  # noqa: F401
     except ImportError:
         pass

@@ -17,20 +17,13 @@ import torch
 
 from ray_ckpt.config import Amber, CheckpointConfig, LowDiff, Runtime
 from ray_ckpt.engine.attachment import Attachment
-from ray_ckpt.engine.lease import Lease
-from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.engine.loopstate import ATTACHED_ATTR, RESTORED_STEP_ATTR, check_not_attached
 from ray_ckpt.engine.restore import apply_chain, resolve_and_load
 from ray_ckpt.engine.strategy import impl_for
 from ray_ckpt.engine.targets import check_params, unwrap
-from ray_ckpt.engine.writer import AsyncWriter
-from ray_ckpt.format.container import CorruptObjectError
-from ray_ckpt.lineage import ManifestError
+from ray_ckpt.engine.runtimes import LocalRuntime, TrainerRuntime
 from ray_ckpt.lineage.layout import POINTER_FILE
 from ray_ckpt.lineage.pointer import read_pointer
-from ray_ckpt.storage.base import ObjectNotFound
-from ray_ckpt.policy import FixedFrequencyPolicy
-from ray_ckpt.policy.adaptive import CommitFeed
 from ray_ckpt.policy.budget import BudgetPolicy, StepMeter
 from ray_ckpt import storage as _storage
 from ray_ckpt.engine import sharded as _sharded
@@ -114,15 +107,15 @@ class Checkpointer:
         self.strategy = strategy if strategy is not None else LowDiff()
         impl = impl_for(self.strategy)
         self.runtime = Runtime.of(runtime)
-        _check_sharded_support(impl, self.shard_spec, self.runtime)
-        self.config, durable_amber = _resolve_config(config, overrides, self.runtime, impl, self.shard_spec)
-        self.storage, run = _open_lineage(uri, storage_options, run, self.shard_spec, self.runtime)
+        self._rt = rt = runtime_for(self.runtime)
+        _check_sharded_support(impl, self.shard_spec, rt)
+        self.config, durable_amber = _resolve_config(config, overrides, rt, impl, self.shard_spec)
+        self.storage, run = _open_lineage(uri, storage_options, run, self.shard_spec, rt)
         self.uri = self.storage.describe()
         self._start_step = start_step = _first_step(optimizer, start_step)
         restated = _restored_safe(optimizer, self.uri, start_step)
         if getattr(optimizer, ATTACHED_ATTR, None) is not None:   # before anything is acquired
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
-        self._feed: CommitFeed | None = None
         self._att = Attachment(owner=f"Checkpointer of {self.uri} (runtime={self.runtime})")
         #: seconds of this attach's phases; the overhead budget's choice (None on a non-writing HSDP replica)
         self.startup: dict = {}
@@ -130,53 +123,16 @@ class Checkpointer:
         if self.shard_spec is not None and not self.shard_spec.writes:
             self._follow_replica(optimizer, run, start_step)   # HSDP: replica 0 of this shard writes it
             return
-        t0 = time.perf_counter()
         with self._att.releasing_on_error():   # a failure below leaves nothing held (lease, writer thread, hooks)
             policy = self._attach_sink(impl, run, _attach_info(optimizer, start_step, durable_amber), takeover)
-            #: seconds of this attach's phases (runtime="ray": coordinator, replica, node_worker; first_full)
-            self.startup = dict(getattr(self._sink, "startup", None) or {"sink": time.perf_counter() - t0})
             t1 = time.perf_counter()
-            # the overhead budget over the cost model's policy: LowDiff may leave steps unrecorded (a full every
-            # k steps); other strategies and sharded state are measured only
-            self.budget = policy = BudgetPolicy(policy, self.config.overhead_budget,
-                                                granular=impl.name == "lowdiff" and self.shard_spec is None,
-                                                max_k=self.config.max_full_every, on_change=self._budget_changed,
-                                                draining=lambda: self._sink.drain_due,
-                                                pin=self.config.recovery_every)
-            # a restart (Ray Train's, or a resumed run): start at the granularity the previous attempt measured
-            previous = getattr(self._sink, "previous_granularity", None)
-            if start_step > 0 and policy.granular and policy.budget > 0 and previous is not None:
-                if policy.resume(previous()):
-                    log.info("ray_ckpt: overhead budget %.1f %%: %s", 100 * policy.budget, policy.reason)
-            fp_every = self.config.fingerprint_every if getattr(self._sink, "replica_enabled", False) else 0
+            policy = self._make_budget(policy, impl, start_step)
             self._capture = self._att.hold_capture(impl.make_capture(
                 model, optimizer, self._sink, policy, start_step=start_step, scheduler=scheduler, scaler=scaler,
-                extra_state=extra_state, capture_rng=self.config.capture_rng, fingerprint_every=fp_every))
-            self._capture._copy.pool.max_bytes = self.config.max_pending_bytes
-            if self.shard_spec is not None:
-                self._capture.sharding = _sharded.sharding_info(self.shard_spec)
-            self._capture.meter = _meter(self._sink, self._on_window)
-            if self.runtime is Runtime.RAY:   # the sender publishes the capture's Ray metrics
-                self._sink.attach_capture(self._capture, start_step)
-            full = self._capture.snapshot_now()   # (coarse when resumed in the every-k mode)
-            policy.hint_full(self._capture.last_snapshot_seconds or 0.0, full.nbytes)
-            self._sink.submit(full)
-            t2 = time.perf_counter()
-            # held on two nodes (durable on a one-node cluster) when attach returns, unless it restates a step the
-            # lineage already holds that way (a restore just installed it): until it is secured in the background,
-            # a crash restores that step from the earlier generation, bitwise the same state. A run's first state
-            # (step 0 of a lineage holding nothing) waits only until this node's worker holds it, which outlives a
-            # crash of this process: its second copy follows in the background, and a node lost before that
-            # leaves nothing to restore, so the run starts again from its beginning
-            if self.runtime is Runtime.RAY and not (restated and self.shard_spec is None):
-                if start_step == 0 and self.generation == 1 and self.shard_spec is None:
-                    self._sink.wait_received()
-                else:
-                    self._sink.wait_safe()
-            t3 = time.perf_counter()
-            self.startup["first_full"] = t3 - t1
-            self.startup["first_full.wait_safe"] = t3 - t2
-        self._att.hold_watch(_watch_drains(self.runtime, self._sink))   # stopped on release, even by __del__
+                extra_state=extra_state, capture_rng=self.config.capture_rng, fingerprint_every=self._fp_every(),
+                pool_bytes=self.config.max_pending_bytes))
+            self._first_full(policy, start_step, restated, t1)
+        self._att.hold_watch(_watch_drains(rt, self._sink))   # stopped on release, even by __del__
         log.info("ray_ckpt: attached to %s (generation %d, start step %d)", self.uri, self.generation, start_step)
 
     def _follow_replica(self, optimizer, run, start_step: int) -> None:
@@ -191,35 +147,58 @@ class Checkpointer:
                  self.shard_spec.replica, self.shard_spec.rank, self.uri)
 
     def _attach_sink(self, impl, run, info: dict, takeover: bool):
-        """The lease (local), the generation and the sink of this attach, held by the attachment; returns the
-        frequency policy. Training thread."""
-        if self.runtime is Runtime.RAY:
-            from ray_ckpt.runtime.client import attach_sink
-            self.run, self.generation, policy, sink = attach_sink(
-                self.storage, impl, run=run, config=self.config, info=info, takeover=takeover)
-            self._sink = self._att.hold_sink(sink)
-            return policy
-        # one writer per lineage (LeaseError names the holder), shared by the writers of one run (Ray Train restarts)
-        lease = self._att.take_lease(Lease(self.storage, run=run), takeover=takeover)
-        lineage, _ = load_lineage(self.storage, strict=False)
-        self.generation = lineage.next_generation()
-        c, att = self.config, self._att
-        # policy="adaptive": tuned in the writer thread after each commit (the callback holds no Checkpointer)
-        self._feed = feed = CommitFeed(self.storage, c.full_every, c.batch_steps, **c.policy_options()) \
-            if c.policy == "adaptive" else None
-        self._sink = att.hold_sink(AsyncWriter(
-            self.storage, self.generation, impl, max_pending_bytes=c.max_pending_bytes,
-            write_retries=c.write_retries, write_timeout=c.write_timeout, info=info, index=lineage.manifests,
-            keep_fulls=c.keep_fulls, lease=lease,
-            on_commit=(lambda m: feed.observe(m, att.sink, att.capture)) if feed is not None else None))
-        return feed.policy if feed is not None else FixedFrequencyPolicy(c.full_every, c.batch_steps)
+        """The lease (local) or the coordinator (Ray), the generation and the sink of this attach, held by the
+        attachment (:meth:`ray_ckpt.engine.runtimes.TrainerRuntime.attach`); returns the frequency policy.
+        Training thread."""
+        t0 = time.perf_counter()
+        got = self._rt.attach(self.storage, impl, self._att, run=run, config=self.config, info=info,
+                              takeover=takeover)
+        self.run, self.generation, self._sink = got.run, got.generation, got.sink
+        #: seconds of this attach's phases (runtime="ray": coordinator, replica, node_worker; first_full)
+        self.startup = dict(got.sink.startup or {"sink": time.perf_counter() - t0})
+        return got.policy
+
+    def _make_budget(self, policy, impl, start_step: int) -> BudgetPolicy:
+        """The overhead budget over the cost model's policy: LowDiff may leave steps unrecorded (a full every k
+        steps); other strategies and sharded state are measured only. A restart (Ray Train's, or a resumed run)
+        starts at the granularity the previous attempt measured. Training thread, at attach."""
+        self.budget = budget = BudgetPolicy(policy, self.config.overhead_budget,
+                                            granular=impl.name == "lowdiff" and self.shard_spec is None,
+                                            max_k=self.config.max_full_every, on_change=self._budget_changed,
+                                            draining=lambda: self._sink.drain_due, pin=self.config.recovery_every)
+        if start_step > 0 and budget.granular and budget.budget > 0:
+            previous = self._sink.previous_granularity()
+            if previous is not None and budget.resume(previous):
+                log.info("ray_ckpt: overhead budget %.1f %%: %s", 100 * budget.budget, budget.reason)
+        return budget
+
+    def _fp_every(self) -> int:
+        """Steps between fingerprints of the trainer's state for the state tier's replica (0: no replica)."""
+        return self.config.fingerprint_every if self._sink.replica_enabled else 0
+
+    def _first_full(self, policy: BudgetPolicy, start_step: int, restated: bool, t1: float) -> None:
+        """Hand the attach full over and secure it as the runtime promises
+        (:meth:`~ray_ckpt.engine.runtimes.TrainerRuntime.secure_first_full`). Training thread, at attach."""
+        if self.shard_spec is not None:
+            self._capture.sharding = _sharded.sharding_info(self.shard_spec)
+        self._capture.meter = _meter(self._sink, self._on_window)
+        self._sink.attach_capture(self._capture, start_step)   # (the Ray sender publishes its metrics)
+        full = self._capture.snapshot_now()   # (coarse when resumed in the every-k mode)
+        policy.hint_full(self._capture.last_snapshot_seconds or 0.0, full.nbytes)
+        self._sink.submit(full)
+        t2 = time.perf_counter()
+        unsharded = self.shard_spec is None
+        self._rt.secure_first_full(self._sink, restated=restated and unsharded,
+                                   first_state=start_step == 0 and self.generation == 1 and unsharded)
+        t3 = time.perf_counter()
+        self.startup["first_full"] = t3 - t1
+        self.startup["first_full.wait_safe"] = t3 - t2
 
     def _on_window(self, w) -> None:
         """Training thread, once a measurement window: the overhead budget decides; with runtime="local" the
         cost model gets the window (with runtime="ray" the sender ships it to the coordinator)."""
         self.budget.observe(w)
-        if self._feed is not None:
-            self._feed.observe_window(w)
+        self._rt.on_window(w)
 
     def _budget_changed(self, report: dict) -> None:
         """Training thread: the overhead budget changed the recovery granularity."""
@@ -230,12 +209,7 @@ class Checkpointer:
 
     def policy_report(self) -> dict | None:
         """What the adaptive policy decides and why (None with policy="fixed"). Any thread."""
-        if self._feed is not None:
-            return self._feed.report()
-        if self.runtime is Runtime.RAY:  # the coordinator owns the policy
-            from ray_ckpt.runtime.client import policy_report
-            return policy_report(self.storage, self.run)
-        return None
+        return self._rt.policy_report(self.storage, self.run)
 
     @property
     def step(self) -> int:
@@ -298,9 +272,8 @@ class Checkpointer:
             out["granularity"]["window"] = meter.last.to_dict()
         if hasattr(self._capture, "early_fulls"):   # Amber: why fulls were taken, and the merged increments
             out["amber"] = {"early_fulls": self._capture.early_fulls, "merges": self._capture.merges}
-        runtime_stats = getattr(self._sink, "runtime_stats", None)
-        if runtime_stats is not None:
-            rt = runtime_stats()
+        rt = self._sink.runtime_stats()
+        if rt is not None:
             w = rt.get("worker", {})
             out.update(write_seconds=w.get("write_seconds", 0.0), durable_bytes=w.get("bytes_written", 0),
                        durable_objects=w.get("objects_written", 0), runtime=rt)
@@ -327,16 +300,16 @@ class Checkpointer:
             pass
 
 
-def _watch_drains(runtime: Runtime, sink):
+def _watch_drains(rt: TrainerRuntime, sink):
     """In a process connected to Ray: a watch that turns drain notices into the sink's notice — this node's drain
-    (``runtime="local"``; ``runtime="ray"`` hears of it from its coordinator) and, in a Ray Train worker, a
+    (when the runtime does not hear of it otherwise: ``watches_node_drains``) and, in a Ray Train worker, a
     preemption of any node of the worker group. None without Ray. Never imports Ray itself. Training thread, at
     attach."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None
-    from ray_ckpt.runtime.drain import watch_sink
-    return watch_sink(sink, node=runtime is not Runtime.RAY)
+    from ray_ckpt.runtime.trainer.drain_watch import watch_sink
+    return watch_sink(sink, node=rt.watches_node_drains)
 
 
 def _meter(sink, on_window) -> StepMeter:
@@ -345,7 +318,7 @@ def _meter(sink, on_window) -> StepMeter:
     loaders', Ray's) work for training as much without checkpointing. Without a per-thread clock: the process's CPU
     outside the training thread (conservative)."""
     st = sink.stats
-    if getattr(sink, "measures_cpu", False):
+    if sink.measures_cpu:
         def cpu():
             return sink.background_cpu(), time.thread_time(), _run_queue_wait()
     else:
@@ -365,7 +338,7 @@ def _run_queue_wait() -> float:
         return 0.0
 
 
-def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: Runtime, impl,
+def _resolve_config(config: CheckpointConfig | None, overrides: dict, rt: TrainerRuntime, impl,
                     shard_spec) -> tuple[CheckpointConfig, Amber | None]:
     """A Checkpointer's config in force (:meth:`CheckpointConfig.resolve`) and the Amber settings of
     ``durable_diffs="amber"`` (an ``Amber(...)`` given as ``durable_diffs``, else the defaults; None for the other
@@ -376,18 +349,12 @@ def _resolve_config(config: CheckpointConfig | None, overrides: dict, runtime: R
     else:
         amber = None
     resolved = CheckpointConfig.resolve(config, **overrides)
-    if resolved.durable_diffs not in ("all", "auto") and runtime is not Runtime.RAY:
-        raise ValueError(f"durable_diffs={resolved.durable_diffs!r} needs runtime='ray' (a memory tier on "
-                         f"two nodes); runtime={runtime.value!r} writes every step")
+    rt.check_config(resolved)
     durable_amber = _durable_amber(amber, resolved, impl, shard_spec)
-    if shard_spec is not None and runtime is Runtime.RAY and "memory_budget" not in resolved.given:
-        from ray_ckpt.runtime.client import node_share   # the node's object store is shared by its ranks' runs
-        share = node_share(resolved.memory_budget, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        resolved = CheckpointConfig.resolve(resolved, memory_budget=share)
-    return resolved, durable_amber
+    return rt.resolve_config(resolved, shard_spec), durable_amber
 
 
-def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec, runtime: Runtime):
+def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec, rt: TrainerRuntime):
     """``(storage, run)`` of an attach: for sharded (FSDP2) state this rank's shard lineage (see
     :mod:`ray_ckpt.engine.sharded`) and, with ``runtime="ray"``, its shard run (its lineage of the job's
     coordinator, node workers and replicas: :mod:`ray_ckpt.runtime.lineages`). Training process."""
@@ -396,9 +363,7 @@ def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec
         return storage, run
     if shard_spec.writes:   # HSDP: the replicas > 0 write nothing, not even the marker
         _sharded.mark_world(storage, shard_spec)
-    if runtime is Runtime.RAY:
-        from ray_ckpt.runtime.client import shard_lineage_run
-        run = shard_lineage_run(storage, run, shard_spec.world, shard_spec.rank)
+    run = rt.lineage_run(storage, run, shard_spec)
     return _sharded.shard_storage(storage, shard_spec.world, shard_spec.rank), run
 
 
@@ -485,46 +450,27 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     :func:`ray_ckpt.engine.sharded.restore_consolidated`).
     """
     t0 = time.perf_counter()
-    runtime = Runtime.of(runtime)
+    rt = runtime_for(Runtime.of(runtime))
     model = unwrap(model)
     check_not_attached(optimizer)
     shard_spec = check_params(optimizer)
     uri, step = _from_pointer(uri, step)
     storage = open_uri(uri, storage_options)
     if shard_spec is not None:
-        memory = None
-        if runtime is Runtime.RAY:
-            from ray_ckpt.runtime.client import ShardedMemoryTier
-            memory = ShardedMemoryTier(run)
+        memory = rt.sharded_memory(run)
         out = _sharded.restore_sharded(storage, model, optimizer, shard_spec, step=step, scheduler=scheduler,
                                        scaler=scaler, extra_state=extra_state, fallback=fallback,
                                        restore_rng=restore_rng, memory=memory)
         dt = time.perf_counter() - t0
         log.info("ray_ckpt: restored step %d (sharded) from %s in %.3f s%s", out, storage.describe(), dt,
                  "" if memory is None else f" (shard objects: {memory.tiers})")
-        if memory is not None:
-            from ray_ckpt.runtime.client import record_restore
-            record_restore(storage, run, dt)
+        rt.record_restore(storage, run, dt)
         return out
     if _sharded.consolidates(storage):   # a sharded root into an unsharded model: gather the saved shards
         return _restore_consolidated(storage, model, optimizer, step=step, scheduler=scheduler, scaler=scaler,
                                      extra_state=extra_state, fallback=fallback, restore_rng=restore_rng,
-                                     runtime=runtime, run=run, t0=t0)
-    chain, unsafe = None, 0
-    if runtime is Runtime.RAY:
-        from ray_ckpt.runtime.client import load_via_coordinator
-        try:
-            got = load_via_coordinator(storage, step, run=run)
-        except (CorruptObjectError, ManifestError, ObjectNotFound) as e:
-            if not fallback:
-                raise
-            log.warning("ray_ckpt: the coordinator's plan failed (%s); falling back to storage", e)
-            got = None
-        if got is not None:
-            chain, tiers = got
-            unsafe = tiers.get("unsafe", 0)
-            log.info("ray_ckpt: plan read %d objects from the memory tier, %d from storage", tiers["memory"],
-                     tiers["durable"])
+                                     rt=rt, run=run, t0=t0)
+    chain, unsafe = rt.load_plan(storage, step, run=run, fallback=fallback) or (None, 0)
     if chain is None:
         chain = resolve_and_load(storage, step, fallback=fallback)
     _refuse_one_shard(chain, storage)
@@ -535,27 +481,21 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     dt = time.perf_counter() - t0
     log.info("ray_ckpt: restored step %d (full %d + %d diffs) from %s in %.3f s", out, chain.full.step,
              len(chain.records), storage.describe(), dt)
-    if runtime is Runtime.RAY:
-        from ray_ckpt.runtime.client import record_restore
-        record_restore(storage, run, dt)
+    rt.record_restore(storage, run, dt)
     return out
 
 
-def _restore_consolidated(storage, model, optimizer, *, runtime: Runtime, run: str | None, t0: float, **kw) -> int:
+def _restore_consolidated(storage, model, optimizer, *, rt: TrainerRuntime, run: str | None, t0: float,
+                          **kw) -> int:
     """:func:`restore` of an unsharded model from a sharded root (see
     :func:`ray_ckpt.engine.sharded.restore_consolidated`); with ``runtime="ray"`` through the shard runs. Calling
     process."""
-    memory = None
-    if runtime is Runtime.RAY:
-        from ray_ckpt.runtime.client import ShardedMemoryTier
-        memory = ShardedMemoryTier(run)
+    memory = rt.sharded_memory(run)
     out = _sharded.restore_consolidated(storage, model, optimizer, memory=memory, **kw)
     dt = time.perf_counter() - t0
     log.info("ray_ckpt: restored step %d (consolidated from sharded state) from %s in %.3f s", out,
              storage.describe(), dt)
-    if memory is not None:
-        from ray_ckpt.runtime.client import record_restore
-        record_restore(storage, run, dt)
+    rt.record_restore(storage, run, dt)
     return out
 
 
@@ -611,20 +551,35 @@ def load_export(path: str | os.PathLike) -> dict:
     return _load(path)
 
 
-def _check_sharded_support(impl, shard_spec, runtime: Runtime) -> None:
+def _check_sharded_support(impl, shard_spec, rt: TrainerRuntime) -> None:
     """What sharded (FSDP2) state supports so far: LowDiff (dense gradient shards), and Amber (increments of
-    each rank's shards, element-wise bound, so it holds for the consolidated tensors too) with
-    runtime="local"."""
+    each rank's shards, element-wise bound, so it holds for the consolidated tensors too) where the runtime
+    supports it (:meth:`~ray_ckpt.engine.runtimes.TrainerRuntime.check_strategy`)."""
     if shard_spec is None:
         return
     if impl.name not in ("lowdiff", "amber"):
         raise NotImplementedError(f"sharded (FSDP2) state is checkpointed with LowDiff or Amber; {impl.name!r} is "
                                   f"not supported for it yet")
-    if impl.name == "amber" and runtime is Runtime.RAY:
-        raise NotImplementedError("Amber for sharded (FSDP2) state runs with runtime='local' (each rank encodes "
-                                  "its shards' increments in its writer thread); with runtime='ray' the shard runs' "
-                                  "replicas are not verified for Amber increments yet: use runtime='local' "
-                                  "(under Ray Train: sharded_runtime='local') or LowDiff")
+    rt.check_strategy(impl, shard_spec)
+
+
+def _local_runtime() -> TrainerRuntime:
+    return LocalRuntime()
+
+
+def _ray_runtime() -> TrainerRuntime:
+    from ray_ckpt.runtime.trainer.ray_runtime import RayRuntime   # imports Ray: only when runtime="ray" is asked for
+    return RayRuntime()
+
+
+#: the runtime of each :class:`~ray_ckpt.config.Runtime`, made on demand (a new one per attach or restore)
+_RUNTIMES = {Runtime.LOCAL: _local_runtime, Runtime.RAY: _ray_runtime}
+
+
+def runtime_for(kind: Runtime) -> TrainerRuntime:
+    """The :class:`~ray_ckpt.engine.runtimes.TrainerRuntime` of ``kind`` (a new one: it holds one attach's
+    state). Training process."""
+    return _RUNTIMES[kind]()
 
 
 def open_uri(uri, storage_options: dict | None = None):

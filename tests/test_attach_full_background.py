@@ -17,7 +17,7 @@ import pytest
 
 import ray_ckpt
 from ray_ckpt.runtime.coordinator import shutdown_run
-from ray_ckpt.runtime.sink import RaySink
+from ray_ckpt.runtime.trainer.sink import RaySink
 from tests import _training as T
 
 pytestmark = pytest.mark.ray

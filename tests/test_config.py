@@ -249,6 +249,10 @@ def test_a_rank_loop_recorder_failing_halfway_releases_everything(tmp_path):
 
 
 class _Part:
+    """A test double for each part an attachment holds (lease, sink, capture)."""
+
+    failed = False   # (as a sink: see ray_ckpt.engine.sink.Sink.failed)
+
     def __init__(self, log, name, fail=False):
         self.log, self.name, self.fail = log, name, fail
 

@@ -174,7 +174,7 @@ def test_a_ray_train_group_preemption_reaches_every_ranks_writer(tmp_path, monke
     and withdraws it when the info is gone; a node drain seen in the GCS does too (runtime="local"). No Ray is
     started: the two sources are stand-ins here, the real ones are read by the Ray tests below."""
     import types
-    from ray_ckpt.runtime import drain as drain_mod
+    from ray_ckpt.runtime.trainer import drain_watch as drain_mod
     monkeypatch.setattr(drain_mod.ray, "get_runtime_context",
                         lambda: types.SimpleNamespace(get_node_id=lambda: "me" * 28))
     group = {"info": None}
@@ -471,7 +471,7 @@ def test_the_state_tier_replica_moves_off_a_draining_node(ray_cluster, drain_run
     lineage before the node goes; the chunks whose second copy was there are copied elsewhere; after the node is
     removed the latest step restores from the moved replica with zero replay, bitwise."""
     from ray_ckpt.runtime import naming
-    from ray_ckpt.runtime.client import load_via_coordinator
+    from ray_ckpt.runtime.trainer.client import load_via_coordinator
     from ray_ckpt.runtime.replica import get_or_create_replica
     run, uri = drain_run, str(tmp_path / "ckpt")
     storage = open_storage(uri)

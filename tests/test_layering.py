@@ -71,6 +71,25 @@ def test_layers_import_only_downwards():
     assert not problems, "\n".join(problems)
 
 
+def test_the_actors_never_import_the_training_process_side():
+    """Inside the runtime layer, ``ray_ckpt/runtime/trainer/`` is the code that runs in the training process (the
+    sink and its sender, the attach and restore helpers, the shared-memory arena, the drain watch); the rest of
+    ``ray_ckpt/runtime/`` is the actors' (persistence workers, coordinator, replica) and what both sides share. The
+    trainer side creates and calls the actors; an actor importing it would load the training process's code (and
+    torch) into every actor process."""
+    base = os.path.join(PKG, "runtime")
+    problems = []
+    for d, _, fs in os.walk(base):
+        if os.path.relpath(d, base).split(os.sep)[0] == "trainer":
+            continue
+        for f in fs:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                problems += [f"{path}: imports {mod}" for mod in _imports(path)
+                             if mod.startswith("ray_ckpt.runtime.trainer")]
+    assert not problems, "\n".join(problems)
+
+
 def _python_ok(code: str) -> None:
     """Run ``code`` in a fresh interpreter (nothing imported yet) and require it to succeed."""
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -317,10 +336,8 @@ SIZE_ALLOWED: dict[str, str] = {
     "runtime/coordinator.py:Coordinator": "as its file: a thin actor over small objects is the target",
     "runtime/worker.py": "the persistence worker's write queue, peer copies and reports are being split out",
     "runtime/worker.py:PersistenceWorker": "as its file",
-    "runtime/sink.py": "RaySink's sender, hand-off and control are being split out",
-    "runtime/sink.py:RaySink": "as its file",
-    "api.py": "Checkpointer's runtime branches are moving behind one runtime interface",
-    "api.py:Checkpointer.__init__": "as its file: the attach steps move into the runtimes and the Attachment",
+    "runtime/trainer/sink.py": "RaySink's sender, hand-off and control are being split out",
+    "runtime/trainer/sink.py:RaySink": "as its file",
     "engine/sharded.py": "sharded save, restore and resharding in one module: to be cut by concern",
     "integrations/compression.py": "the top-k and int8 hooks with their exchange and state: to be cut by hook",
 }

@@ -581,7 +581,7 @@ def test_pinned_every_k_full_asked_at_an_unrecorded_step_keeps_its_loop_state(tm
     with ray_ckpt.Checkpointer(uri, m, opt, recovery_every=5, extra_state=pos, keep_fulls=0) as ck:
         assert (ck.budget.mode, ck.budget.k, ck.budget.recording) == ("every_k", 5, False)
         asks = iter([False] * 6 + [True])     # asked once, at step 7's finalization (unrecorded, no loop state)
-        ck._capture._full_control = lambda: (False, next(asks, False))
+        ck._sink.full_control = lambda: (False, next(asks, False))   # the sink asks (as a runtime would)
         for s in range(steps):
             pos.pos = s + 1                    # the batch this step takes (as a loader's position)
             T.train_step("mlp_do", m, opt, None, s, reseed=False)

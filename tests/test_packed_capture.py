@@ -9,7 +9,8 @@ import torch
 
 from ray_ckpt.engine.capture import PackedLayout, PackedPool
 from ray_ckpt.format.records import GradEntry, StepRecord, decode_steps, encode_steps
-from ray_ckpt.runtime.shared import SharedArena, SharedMemoryUnavailable, resolve
+from ray_ckpt.runtime.shared import SharedMemoryUnavailable, resolve
+from ray_ckpt.runtime.trainer.arena import SharedArena
 
 
 def _records(params, steps, pool=None, zero=None):

@@ -14,7 +14,7 @@ import ray
 
 import ray_ckpt
 from ray_ckpt.runtime import naming
-from ray_ckpt.runtime.client import prefetch_snapshot
+from ray_ckpt.runtime.trainer.client import prefetch_snapshot
 from ray_ckpt.runtime.coordinator import shutdown_run
 from tests import _training as T
 

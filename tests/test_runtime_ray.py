@@ -100,7 +100,7 @@ def test_a_worker_that_cannot_map_the_trainers_memory_is_handed_the_bytes(run_en
     with its bytes (one-step chunks with no hand-off delay: several are in flight when the first refusal comes
     back, and the later refusals are of chunks already given their bytes); every step restores bitwise from
     both tiers."""
-    from ray_ckpt.runtime import shared
+    from ray_ckpt.runtime.trainer import arena as shared
     real = shared.SharedArena.allocate
 
     def unmappable(self, nbytes):

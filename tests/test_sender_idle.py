@@ -25,7 +25,7 @@ class _SlowCoordinator:
 
 @pytest.mark.ray
 def test_the_sender_does_not_spin_while_a_control_answer_is_outstanding(tmp_path, ray_cluster):  # noqa: F811
-    from ray_ckpt.runtime import sink as sink_mod
+    from ray_ckpt.runtime.trainer import sink as sink_mod
     from ray_ckpt.runtime.coordinator import shutdown_run
     run = f"idle-{uuid.uuid4().hex[:8]}"
     torch.manual_seed(0)

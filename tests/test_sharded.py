@@ -106,7 +106,7 @@ def test_shard_run_names_lead_to_their_job_and_lineage(tmp_path):
     import pickle
 
     from ray_ckpt.runtime import lineages, naming
-    from ray_ckpt.runtime.client import shard_lineage_run
+    from ray_ckpt.runtime.trainer.client import shard_lineage_run
     from ray_ckpt.storage import open_storage
     root = open_storage(str(tmp_path))
     run = sharded.shard_run("exp", 3, 2)

@@ -55,7 +55,7 @@ def test_fsdp2_shard_runs_restore_from_their_replicas(tmp_path, ray_cluster):  #
 def _consolidate_through_the_shard_runs(uri, out, run):
     """The unsharded model and optimizer restored with ``runtime="ray"`` in this process: the latest step, each
     shard through its shard run, bitwise the run's gathered state."""
-    from ray_ckpt.runtime.client import ShardedMemoryTier
+    from ray_ckpt.runtime.trainer.client import ShardedMemoryTier
     glob = torch.load(os.path.join(out, "global.pt"), weights_only=False)
     model = T.make_model(W.KIND, 99)
     opt = T.make_optimizer("adamw", model)

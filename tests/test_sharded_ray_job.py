@@ -18,7 +18,7 @@ import torch
 import ray_ckpt
 from ray_ckpt.engine import sharded
 from ray_ckpt.runtime import lineages, naming
-from ray_ckpt.runtime.client import ShardedMemoryTier
+from ray_ckpt.runtime.trainer.client import ShardedMemoryTier
 from ray_ckpt.runtime.coordinator import shard_runs, shutdown_job
 from ray_ckpt.runtime.placement import prefer_node
 from tests import _fsdp_worker as W, _training as T

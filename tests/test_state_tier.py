@@ -19,7 +19,7 @@ from ray_ckpt.cli.main import main as cli_main
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE
 from ray_ckpt.runtime import naming
-from ray_ckpt.runtime.client import load_via_coordinator
+from ray_ckpt.runtime.trainer.client import load_via_coordinator
 from ray_ckpt.runtime.coordinator import shutdown_run
 from ray_ckpt.storage import open_storage
 from tests import _training as T
@@ -223,7 +223,7 @@ def test_a_new_replica_that_lands_on_the_trainers_node_is_placed_again(run_env, 
     attach does not wait for the replica's process; a daemon thread finds where it runs, re-places a replica the
     attach has just created, and the coordinator asks the trainer for a full for the new one to start from (the
     latest step then restores from it with zero replay). An existing replica is never moved."""
-    from ray_ckpt.runtime import client
+    from ray_ckpt.runtime.trainer import client
     run, uri = run_env
     me = ray.get_runtime_context().get_node_id()
     real = client._replica_node
@@ -301,7 +301,7 @@ def test_a_forced_gap_is_logged_shown_and_closed_by_a_full(run_env, caplog, caps
     run, uri = run_env
     N = 300
     ref = T.reference_states(N)
-    from ray_ckpt.runtime import sink as sink_mod
+    from ray_ckpt.runtime.trainer import sink as sink_mod
     real_send = sink_mod.RaySink._send
     dropped = []
 

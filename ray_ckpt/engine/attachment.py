@@ -103,7 +103,7 @@ class Attachment:
         if self.closed:
             return
         try:   # a failed sink takes nothing more: its error was raised already, or the sink's close raises it
-            if self.capture is not None and not getattr(self.sink, "failed", False):
+            if self.capture is not None and not self.sink.failed:
                 self.capture.flush_pending()
         finally:
             self.release(timeout)

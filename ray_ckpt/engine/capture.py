@@ -32,7 +32,7 @@ import collections
 import math
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -42,24 +42,9 @@ from ray_ckpt.engine.loopstate import ATTACHED_ATTR, as_stateful, group_values, 
 from ray_ckpt.engine.optim_layout import FINGERPRINT_KEY, ShadowError, fingerprint, optimizer_layout
 from ray_ckpt.format.container import Packed, dtype_name
 from ray_ckpt.format.framing import ALIGN
-from ray_ckpt.format.records import FullState, GradEntry, StepRecord
+from ray_ckpt.engine.sink import Sink
+from ray_ckpt.format.records import FullState, GradEntry
 from ray_ckpt.policy import FrequencyPolicy, StepContext, StepDecision
-
-
-class Sink(Protocol):
-    """Receives captured items in step order. ``submit`` may block (backpressure).
-
-    A sink may also steer full checkpoints with ``full_control() -> (delegated, wanted)`` (training thread,
-    O(1)): ``delegated`` — the persistence tier materializes the policy's fulls itself (the state tier's
-    replica), so the trainer takes none; ``wanted`` — take a full at the next step whatever the policy says
-    (a gap in the lineage, a lost or diverged replica). Without the method: (False, False).
-
-    And it may provide the memory of the capture's per-step gradient buffers with ``host_memory(nbytes) ->
-    (zeroed uint8 CPU tensor, handle) | None`` (training thread; :class:`PackedPool`): the Ray runtime's shared
-    memory, handed to its worker without a copy.
-    """
-
-    def submit(self, item: StepRecord | FullState, *, close_batch: bool = False) -> None: ...
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -74,7 +59,7 @@ class HostPool:
     record never recycled (an error, a closed sink) is garbage-collected.
 
     Thread-safe: taken on the training thread, given back on a background thread. At most ``max_bytes`` of free
-    buffers are kept (the Checkpointer sets it to its ``max_pending_bytes``: the buffers in flight are bounded by
+    buffers are kept (the capture's ``pool_bytes``, the Checkpointer's ``max_pending_bytes``: the buffers in flight are bounded by
     the same figure, so the pool never holds more than the sink may).
     """
 
@@ -150,7 +135,7 @@ class PackedLayout:
 class PackedPool:
     """Recycled :class:`PackedGrads` buffers of one layout (training thread takes, a background thread gives back,
     as :class:`HostPool`). At most ``limit.max_bytes`` of free buffers are kept (``limit``: the capture's
-    :class:`HostPool`, whose bound the Checkpointer sets). ``allocate(nbytes) -> (zeroed uint8 tensor, handle) |
+    :class:`HostPool`, bounded by its ``pool_bytes``). ``allocate(nbytes) -> (zeroed uint8 tensor, handle) |
     None`` provides the memory of a new buffer (a sink's shared memory); None, or no ``allocate``: heap memory."""
 
     def __init__(self, layout: PackedLayout, limit: Any = None, allocate: Callable | None = None):
@@ -287,7 +272,7 @@ class CaptureBase:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sink: Sink,
                  policy: FrequencyPolicy, *, start_step: int, scheduler: Any = None, scaler: Any = None,
                  extra_state: Any = None, capture_rng: bool = True, capture_buffers: bool = True,
-                 fingerprint_every: int = 0):
+                 fingerprint_every: int = 0, pool_bytes: int | None = None):
         if getattr(optimizer, ATTACHED_ATTR, None) is not None:
             raise RuntimeError("this optimizer already has a ray_ckpt capture attached; close() it first")
         extra_state = as_stateful(extra_state)
@@ -309,6 +294,8 @@ class CaptureBase:
         self.last_full_step = start_step
         self.steps_in_batch = 0
         self._copy = _HostCopier()
+        if pool_bytes is not None:   # the buffers in flight are bounded by the sink's max_pending_bytes: so is the pool
+            self._copy.pool.max_bytes = pool_bytes
         self._pending: Any = None
         self._lock = threading.RLock()
         self.capture_seconds = 0.0        # time spent in the hooks, for stats
@@ -320,7 +307,6 @@ class CaptureBase:
         self._layout: dict | None | bool = False   # False: not computed yet
         #: FSDP2: this rank's shard (:func:`ray_ckpt.engine.sharded.sharding_info`), recorded in every full's layout
         self.sharding: dict | None = None
-        self._full_control = getattr(sink, "full_control", None)
         self.last_snapshot_seconds: float | None = None  # training-thread time of the latest full snapshot
         #: the overhead budget's measurements (:class:`ray_ckpt.policy.budget.StepMeter`), set by the Checkpointer
         self.meter = None
@@ -454,7 +440,7 @@ class CaptureBase:
             decision = self._amend_decision(rec, decision)
             # a record without its gradients (the overhead budget skipped them) is never handed over
             record = decision.record and not getattr(rec, "unrecorded", False)
-            delegated, wanted = self._full_control() if self._full_control is not None else (False, False)
+            delegated, wanted = self.sink.full_control()
             if wanted:   # the runtime asks for a full (a gap, a lost or re-placed replica): the trainer takes it
                 decision = StepDecision(full=True, close_batch=True, record=decision.record)
             if decision.full and getattr(rec, "light", False):   # no loop state to make a full of: the next step

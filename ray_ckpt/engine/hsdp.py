@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from ray_ckpt.engine.loopstate import ATTACHED_ATTR
-from ray_ckpt.engine.writer import WriterStats
+from ray_ckpt.engine.sink import Sink, WriterStats
 
 
 class ReplicaFollower:
@@ -45,11 +45,9 @@ class ReplicaFollower:
             delattr(self.optimizer, ATTACHED_ATTR)
 
 
-class NoWrites:
+class NoWrites(Sink):
     """The sink of a non-writing HSDP replica: nothing is handed over, so nothing is committed by this rank
-    (``stats.last_committed_step`` stays None; replica 0 of the shard commits it)."""
-
-    pending_bytes = 0
+    (``stats.last_committed_step`` stays None; replica 0 of the shard commits it). Training process."""
 
     def __init__(self) -> None:
         self.stats = WriterStats()

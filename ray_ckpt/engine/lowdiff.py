@@ -40,7 +40,7 @@ class LowDiffCapture(CaptureBase):
         if self.params and all(type(local(p)) is type(p) and p.device.type == "cpu" and p.layout == torch.strided
                                and p.dtype in _PACKABLE for p in self.params):
             self._packed_pool = PackedPool(PackedLayout(self.params), limit=self._copy.pool,
-                                           allocate=getattr(self.sink, "host_memory", None))
+                                           allocate=self.sink.host_memory)
 
     def _take_packed(self) -> bool:
         """The fast path of the pre-hook: every gradient present, dense, on the CPU, and no compression hook

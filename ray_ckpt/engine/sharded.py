@@ -46,7 +46,7 @@ Supported: 1-D meshes with ``Shard(d)`` placements, 2-D HSDP meshes with ``Repli
 whose state tensors have their parameter's shape or are scalars (SGD, Adam, AdamW, ...). With ``runtime="ray"``
 every shard lineage is a shard run of its job (:func:`shard_run`), tracked by the job's one coordinator and
 served by the job's worker and replica hosts of each node (:mod:`ray_ckpt.runtime.lineages`: O(nodes) actors), and
-restores go through the shard runs (:class:`ray_ckpt.runtime.client.ShardedMemoryTier`). Where calls run: the training process of each rank.
+restores go through the shard runs (:class:`ray_ckpt.runtime.trainer.client.ShardedMemoryTier`). Where calls run: the training process of each rank.
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def shard_prefix(world: int, rank: int) -> str:
 def shard_run(run: str | None, world: int, rank: int) -> str | None:
     """The Ray runtime's run of one shard lineage (``runtime="ray"``: its lineage of the job's coordinator, node
     workers and replicas, :mod:`ray_ckpt.runtime.lineages`). None for None (the Checkpointer names the shard runs
-    of an unnamed job after its root: :func:`ray_ckpt.runtime.client.shard_lineage_run`)."""
+    of an unnamed job after its root: :func:`ray_ckpt.runtime.trainer.client.shard_lineage_run`)."""
     return None if run is None else f"{run}{SHARD_RUN_TAG}w{world:05d}-r{rank:05d}"
 
 
@@ -348,7 +348,7 @@ def restore_sharded(storage, model: torch.nn.Module, optimizer: torch.optim.Opti
     every saved rank), from the saved world size that holds it, resharding when it differs from ``spec.world``.
     Returns the step. Training process of each rank; no collectives (every rank decides from storage alone).
 
-    ``memory`` (``runtime="ray"``, see :class:`ray_ckpt.runtime.client.ShardedMemoryTier`): the shard runs'
+    ``memory`` (``runtime="ray"``, see :class:`ray_ckpt.runtime.trainer.client.ShardedMemoryTier`): the shard runs'
     coordinators, which may hold newer steps than storage in their memory tier and replicas; its ``choose``
     gives ``(world, steps)`` as :func:`choose_world` does, its ``load`` one shard's chain (a replica snapshot needs
     no replay)."""

@@ -20,10 +20,8 @@ import logging
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-from ray_ckpt.errors import RayCkptError
 from ray_ckpt.format import checksum, segments
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState
@@ -32,49 +30,18 @@ from ray_ckpt.lineage import index as lineage_index
 from ray_ckpt.lineage import retention
 from ray_ckpt.storage.retry import PermanentStorageError, RetryBudgetExceeded, RetryPolicy
 from ray_ckpt.storage.base import ObjectNotFound
+from ray_ckpt.engine.drains import SYNC_BEFORE_DEADLINE_S, SYNC_MIN_S, SYNC_WAIT_FACTOR, DrainNotice
 from ray_ckpt.engine.lease import LeaseLost
+from ray_ckpt.engine.sink import FlushMarker, Sink, WriterError, WriterStats
 
 log = logging.getLogger("ray_ckpt")
 
 
-#: a drain notice (the node goes away at a deadline): at most this many seconds before the deadline, and from the
-#: notice on when it names none, a step returns to the training loop only once it is safe (see BoundedSink.notice)
-SYNC_BEFORE_DEADLINE_S = 10.0
-#: ... and at least this many; in between, SYNC_WAIT_FACTOR times the longest wait for safety seen under the notice
-SYNC_MIN_S = 5.0
-SYNC_WAIT_FACTOR = 4.0
+__all__ = ["AsyncWriter", "BoundedSink", "FlushMarker", "WriterError", "WriterStats", "SYNC_BEFORE_DEADLINE_S",
+           "SYNC_MIN_S", "SYNC_WAIT_FACTOR"]
 
 
-class WriterError(RayCkptError, RuntimeError):
-    """The background writer failed; what was captured after the last commit is not durable."""
-
-
-@dataclass
-class WriterStats:
-    objects_written: int = 0
-    bytes_written: int = 0
-    diff_bytes: int = 0
-    full_bytes: int = 0
-    steps_committed: int = 0
-    last_committed_step: int | None = None
-    stall_seconds: float = 0.0          #: time the training thread waited (backpressure: memory, queue length)
-    queue_stalls: int = 0               #: steps whose hand-off waited for a background thread that fell behind
-    objects_deleted: int = 0            #: garbage-collected by ``keep_fulls`` (runtime="local")
-    write_seconds: float = 0.0
-    encode_seconds: float = 0.0
-    notice_syncs: int = 0               #: steps that waited until they were safe under a drain notice
-    notice_sync_seconds: float = 0.0    #: ... and how long the training thread waited for them
-
-
-@dataclass
-class FlushMarker:
-    """A queue entry asking a sink's background thread to finish everything queued before it, then set
-    ``done``. Put by the training thread (``flush``), consumed by the sink's thread."""
-
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class BoundedSink:
+class BoundedSink(Sink):
     """A bounded hand-off from the training thread to one background thread (the engine's writer, the Ray
     runtime's sender). Subclasses implement ``_run`` (the thread body) on ``_queue`` entries
     ``(item, size, close_batch)``, call :meth:`_release` when an item's bytes are no longer held, and
@@ -98,9 +65,8 @@ class BoundedSink:
         self._error: BaseException | None = None
         self._error_reported = False              # the error was raised in the training thread once
         self._closing = False
-        self._notice: dict | None = None          # a drain notice for this node (see notice)
-        self._notice_deadline: float | None = None
-        self._notice_wait_s: float | None = None  # the longest wait for safety under the notice (None: none yet)
+        #: the drain notice of this node, if any (:mod:`ray_ckpt.engine.drains`)
+        self.drain = DrainNotice(safe_latency=self.safe_latency)
         self._cpu_clock: int | None = None       # the background thread's CPU clock (where the platform has one)
         self._cpu_clock_failed = False
         self._cpu_seen = 0.0
@@ -160,34 +126,23 @@ class BoundedSink:
             self._pending_bytes += size
             self._queue.append((item, size, close_batch))
             self._cv.notify_all()
-        if self._notice is not None and self._sync_due():
-            notice, t0 = self._notice, time.perf_counter()
+        if self.drain.sync_due():
+            notice, t0 = self.drain.info, time.perf_counter()
             self._wait_noticed()
             took = time.perf_counter() - t0
             self.stats.notice_syncs += 1
             self.stats.notice_sync_seconds += took
-            if self._notice is notice:   # not a later notice's: it measures its own
-                self._notice_wait_s = max(self._notice_wait_s or 0.0, took)
+            self.drain.waited(notice, took)
 
-    # -- drain notices ---------------------------------------------------------------------------------------
+    # -- drain notices (:class:`ray_ckpt.engine.drains.DrainNotice`) -------------------------------------------
     def notice(self, info: dict | None, deadline: float | None = None) -> None:
         """This process's node drains (Ray will remove it; ``deadline`` on the monotonic clock, None: none given;
-        ``info`` is what :attr:`noticed` returns) or, with ``info=None``, no longer does. Any thread.
-
-        From the notice on, the background thread hands every step over at once instead of batching it; the first
-        step submitted after the notice, and every step within :meth:`sync_margin` of the deadline (from the
-        notice on without one), also waits in :meth:`submit` until it is safe (:meth:`_wait_noticed`), so that a
-        process killed at the deadline has lost no step it captured. What that costs the training thread is one
-        write (or hand-off) per step, only then: the margin is :data:`SYNC_WAIT_FACTOR` times the longest such
-        wait (the first one measures it), within [:data:`SYNC_MIN_S`, :data:`SYNC_BEFORE_DEADLINE_S`]: a long
-        notice (a cloud's two minutes) is not spent waiting on every step, while the last seconds leave a
-        loaded machine time to empty what was handed over at once."""
+        ``info`` is what :attr:`noticed` returns) or, with ``info=None``, no longer does. Any thread. From the
+        notice on, the background thread hands every step over at once instead of batching it, and steps near the
+        deadline wait in :meth:`submit` until they are safe (:meth:`_wait_noticed`; see
+        :class:`~ray_ckpt.engine.drains.DrainNotice`)."""
         with self._cv:
-            if info is None:
-                self._notice, self._notice_deadline = None, None
-            else:
-                self._notice, self._notice_deadline = dict(info), deadline
-            self._notice_wait_s = None
+            self.drain.set(info, deadline)
             self._cv.notify_all()
 
     @property
@@ -198,13 +153,12 @@ class BoundedSink:
     @property
     def noticed(self) -> dict | None:
         """The drain notice in force (a copy), or None."""
-        n = self._notice
-        return None if n is None else dict(n)
+        return self.drain.copy()
 
     @property
     def draining(self) -> bool:
-        """Whether a drain notice is in force (O(1), no copy: the overhead budget reads it every step)."""
-        return self._notice is not None
+        """Whether a drain notice is in force (O(1), no copy)."""
+        return self.drain.active
 
     def safe_latency(self) -> float | None:
         """Seconds a recent hand-off took to become safe (the longest, fading), None where the sink does not
@@ -212,33 +166,15 @@ class BoundedSink:
         return None
 
     def sync_margin(self) -> float:
-        """Seconds before a notice's deadline from which every step submitted waits until it is safe:
-        :data:`SYNC_WAIT_FACTOR` times the longest wait for safety seen under the notice or
-        :meth:`safe_latency`, within [:data:`SYNC_MIN_S`, :data:`SYNC_BEFORE_DEADLINE_S`] (the longest while
-        neither is known). Any thread."""
-        known = [x for x in (self._notice_wait_s, self.safe_latency()) if x is not None]
-        if not known:
-            return SYNC_BEFORE_DEADLINE_S
-        return min(SYNC_BEFORE_DEADLINE_S, max(SYNC_MIN_S, SYNC_WAIT_FACTOR * max(known)))
+        """Seconds before a notice's deadline from which every step submitted waits until it is safe (see
+        :meth:`ray_ckpt.engine.drains.DrainNotice.sync_margin`). Any thread."""
+        return self.drain.sync_margin()
 
     @property
     def drain_due(self) -> bool:
-        """Whether a drain notice asks for every step to be recorded now (the overhead budget reads it every step;
-        O(1)): from the notice on when it names no deadline, otherwise from :data:`SYNC_BEFORE_DEADLINE_S` before
-        it (the longest :meth:`sync_margin`), so that a budget that records a full every k steps keeps doing so
-        through a long notice (a cloud's two minutes) and leaves the time a full of the whole state, then each
-        step's record, takes to be made safe on a node that stays — which no hand-off of the every-k mode
-        measures (its fulls are only written)."""
-        if self._notice is None:
-            return False
-        d = self._notice_deadline
-        return d is None or time.monotonic() >= d - SYNC_BEFORE_DEADLINE_S
-
-    def _sync_due(self) -> bool:
-        d = self._notice_deadline
-        if d is None or self._notice_wait_s is None:
-            return True
-        return time.monotonic() >= d - self.sync_margin()
+        """Whether a drain notice asks for every step to be recorded now (see
+        :meth:`ray_ckpt.engine.drains.DrainNotice.every_step_due`). Training thread, O(1)."""
+        return self.drain.every_step_due()
 
     def _wait_noticed(self) -> None:
         """Training thread, under a drain notice: return once everything submitted is safe. Here: written."""
@@ -378,7 +314,7 @@ class AsyncWriter(BoundedSink):
                                and time.monotonic() - self._batch_t0 >= self.max_batch_delay)
                     if overdue and not close_batch:
                         self._absorb_queued()   # what arrived during the last write goes into this one
-                    if close_batch or self._pressure or overdue or self._notice is not None:
+                    if close_batch or self._pressure or overdue or self.drain.active:
                         self._write_batch()
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self._fail(e, entry[0] if isinstance(entry, tuple) else None)

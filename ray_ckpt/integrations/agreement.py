@@ -187,7 +187,7 @@ def explain_loss(newest: int, heads: list, step: int, bound: int | None = None) 
 def _latest(storage, run: str | None, runtime: str) -> tuple[int, int] | str:
     """``(step, generation)`` of the latest recoverable step of the main lineage, or why there is none.
     World rank 0."""
-    from ray_ckpt.runtime.client import resolve_step   # imports Ray: only where a group agrees on a step
+    from ray_ckpt.runtime.trainer.client import resolve_step   # imports Ray: only where a group agrees on a step
     try:
         return resolve_step(storage, None, run=run, use_coordinator=runtime == "ray")
     except NoCheckpointError as e:
@@ -197,7 +197,7 @@ def _latest(storage, run: str | None, runtime: str) -> tuple[int, int] | str:
 def _point_at_or_before(storage, run: str | None, runtime: str, step: int) -> tuple[int, int]:
     """``(step, generation)`` of the newest recoverable step of the main lineage at or before ``step``. World
     rank 0."""
-    from ray_ckpt.runtime.client import resolve_step   # imports Ray: only where a group agrees on a step
+    from ray_ckpt.runtime.trainer.client import resolve_step   # imports Ray: only where a group agrees on a step
     return resolve_step(storage, step, run=run, use_coordinator=runtime == "ray", at_or_before=True)
 
 

@@ -43,7 +43,7 @@ from ray_ckpt.config import CheckpointConfig
 from ray_ckpt.lineage import MANIFESTS_DIR
 from ray_ckpt.lineage.layout import RUN_MARKER
 from ray_ckpt.runtime import lineages
-from ray_ckpt.runtime.client import prefetch_snapshot
+from ray_ckpt.runtime.trainer.client import prefetch_snapshot
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator, shard_runs, shutdown_run
 from ray_ckpt.runtime.worker import get_or_create_worker
 
@@ -151,7 +151,7 @@ class RayCkptCallback(ControllerCallback, WorkerGroupCallback):
     def _prefetch(self, workers: list) -> None:
         """Controller actor, a thread of its own: when the run has a state-tier replica (a restart), every worker
         starts pulling the replica's snapshot of the latest step into its node's object store
-        (:func:`~ray_ckpt.runtime.client.prefetch_snapshot`), so that the restore in ``attach`` reads it locally.
+        (:func:`~ray_ckpt.runtime.trainer.client.prefetch_snapshot`), so that the restore in ``attach`` reads it locally.
         Not waited for; best effort."""
         try:
             lineages.replica(self.run)

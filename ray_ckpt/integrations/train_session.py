@@ -24,14 +24,14 @@ from ray_ckpt.api import Checkpointer, open_uri
 from ray_ckpt.config import CheckpointConfig, LowDiff
 from ray_ckpt.engine.loopstate import as_stateful
 from ray_ckpt.engine.rankloop import RankLoopRecorder
-from ray_ckpt.runtime.drain import watch_sink
+from ray_ckpt.runtime.trainer.drain_watch import watch_sink
 from ray_ckpt.engine.strategy import impl_for
 from ray_ckpt.engine.targets import check_params, unwrap
 from ray_ckpt.integrations.agreement import Collective, agreed_restore, sharded_agreed_restore
 from ray_ckpt.integrations.compression import ResidualState
 from ray_ckpt.lineage.pointer import read_pointer, write_pointer
 from ray_ckpt.runtime import naming
-from ray_ckpt.runtime.client import PhaseClock, prestart
+from ray_ckpt.runtime.trainer.client import PhaseClock, prestart
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator
 
 log = logging.getLogger("ray_ckpt")

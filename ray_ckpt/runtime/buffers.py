@@ -1,6 +1,6 @@
 """The buffers of a held object: a chunk the persistence workers keep in the object store, as ``ray.get`` returns it.
 
-A held chunk is a list of uint8 arrays (the hand-off layout of :mod:`ray_ckpt.runtime.sink`) or one array. Used
+A held chunk is a list of uint8 arrays (the hand-off layout of :mod:`ray_ckpt.runtime.trainer.sink`) or one array. Used
 by the workers, the replica and the plan reader; numpy only (the workers' processes import no torch). Any
 process; pure functions.
 """

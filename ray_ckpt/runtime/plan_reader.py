@@ -1,7 +1,7 @@
 """Read a coordinator's restore plan: each object from the memory tier (a live holder's object store) when one has
 it, else from storage, optionally starting from a state-tier replica's snapshot.
 
-Below both of its callers: :func:`ray_ckpt.runtime.client.load_via_coordinator` (the training process restoring)
+Below both of its callers: :func:`ray_ckpt.runtime.trainer.client.load_via_coordinator` (the training process restoring)
 and :class:`ray_ckpt.runtime.replica.ReplicaActor` (a restarted replica rebuilding itself). Any process connected
 to Ray.
 """

@@ -143,7 +143,7 @@ class ReplicaActor:
         process decodes them from there without joining (``container.decode`` takes a list of parts).
 
         One object per state: callers that find the shadow unchanged since the last snapshot (the ranks of a
-        group restoring the same step, a prefetch ahead of them: :func:`ray_ckpt.runtime.client.prefetch_snapshot`)
+        group restoring the same step, a prefetch ahead of them: :func:`ray_ckpt.runtime.trainer.client.prefetch_snapshot`)
         get that snapshot's reference again, ``"shared": True``, instead of another encode and put; the replica
         drops its reference when its state next changes."""
         with self._cv:

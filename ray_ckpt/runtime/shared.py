@@ -2,7 +2,7 @@
 without a copy in the training process (Linux).
 
 The capture copies each step's dense gradients into one buffer (:class:`ray_ckpt.engine.capture.PackedGrads`). With
-the Ray runtime that buffer is carved out of a :class:`SharedArena` — an anonymous memory file (``memfd``) the
+the Ray runtime that buffer is carved out of a :class:`~ray_ckpt.runtime.trainer.arena.SharedArena` — an anonymous memory file (``memfd``) the
 training process maps — and the chunk handed to the worker names it by a small descriptor instead of carrying its
 bytes: the worker maps the same memory (:func:`resolve`, through ``/proc/<pid>/fd/<fd>``) and its ``ray.put``
 makes the object-store copy on the worker's core. Without it, the training process pays that copy, an order of
@@ -16,7 +16,10 @@ crash); a worker drops its mapping of a process that is gone the next time it ma
 
 Where this does not work (no ``memfd_create``, no access to the trainer's ``/proc`` entry, the worker on another
 node), :func:`resolve` raises :class:`SharedMemoryUnavailable` and the sender falls back to handing the bytes over
-(:class:`ray_ckpt.runtime.sink.RaySink`).
+(:class:`ray_ckpt.runtime.trainer.sink.RaySink`).
+
+This module is the protocol both sides share (the descriptor, :class:`SharedMemoryUnavailable`) and the persistence
+worker's side (:func:`resolve`); the training process's side, the arena, is :mod:`ray_ckpt.runtime.trainer.arena`.
 """
 from __future__ import annotations
 
@@ -30,53 +33,11 @@ from ray_ckpt.errors import RayCkptError
 
 #: the first element of a descriptor in a chunk's buffer list
 TAG = "ray_ckpt.shm"
-_ALIGN = 4096
+ALIGN = 4096
 
 
 class SharedMemoryUnavailable(RayCkptError, RuntimeError):
     """The persistence worker cannot map the training process's shared memory (it then sends the bytes)."""
-
-
-class SharedArena:
-    """Shared memory of one sink, carved into the capture's buffers (training process; ``allocate`` on the training
-    thread, ``describe`` on the sender). Buffers are never returned: the capture's pool recycles them, so the arena
-    holds at most what is in flight. Pages are backed only once touched."""
-
-    def __init__(self, nbytes: int):
-        if not hasattr(os, "memfd_create"):
-            raise SharedMemoryUnavailable("os.memfd_create is not available on this platform")
-        self.size = max(_ALIGN, nbytes)
-        self.fd = os.memfd_create("ray_ckpt-capture", getattr(os, "MFD_CLOEXEC", 0))
-        try:
-            os.ftruncate(self.fd, self.size)
-            self._mm = mmap.mmap(self.fd, self.size)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.pid, self.ino = os.getpid(), os.fstat(self.fd).st_ino
-        self._next = 0
-        self._lock = threading.Lock()
-        self.closed = False
-
-    def allocate(self, nbytes: int):
-        """``(uint8 tensor of nbytes, descriptor)`` of fresh zeroed shared memory, or None when the arena is full
-        or closed (the caller takes heap memory)."""
-        import torch
-        with self._lock:
-            if self.closed or self._next + nbytes > self.size:
-                return None
-            off = self._next
-            self._next += nbytes + (-nbytes) % _ALIGN
-        t = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=off)
-        return t, (TAG, self.pid, self.fd, self.ino, off, nbytes)
-
-    def close(self) -> None:
-        """No more buffers; the file descriptor is closed (a worker can no longer map the arena; mappings live on
-        until their buffers are garbage-collected)."""
-        with self._lock:
-            if not self.closed:
-                self.closed = True
-                os.close(self.fd)
 
 
 # -- persistence worker ----------------------------------------------------------------------------------------

@@ -52,14 +52,15 @@ from dataclasses import dataclass, field
 import ray
 
 from ray_ckpt.engine.lineage_io import unhide
-from ray_ckpt.format import checksum, segments
-from ray_ckpt.lineage import Manifest, diff_name, object_key
+from ray_ckpt.lineage import Manifest
 from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import lineages, naming, shared
 from ray_ckpt.runtime.buffers import as_buffers
+from ray_ckpt.runtime.control_relay import CONTROL_RELAY_S, CONTROL_STALE_S, ControlRelay
 from ray_ckpt.runtime.drain import draining_nodes
 from ray_ckpt.runtime.reports import answered_interval, pack_reports  # noqa: F401 - pack_reports: re-exported
+from ray_ckpt.runtime.write_queue import WriteQueue, merged_manifest
 from ray_ckpt.storage.retry import RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
@@ -69,14 +70,6 @@ log = logging.getLogger("ray_ckpt")
 _REPORT_INTERVAL_S = 0.05
 _RETRY_AFTER_FAILURE_S = 10.0   # a job whose write failed beyond its retry budget is tried again this much later
 _DELIVERY_WAIT_S = 30.0       # flush: how long to wait for the coordinator to apply the last report
-#: durable_diffs="fulls": how long a diff chunk may wait for the peer's acknowledgement before it is written
-LAZY_GRACE_S = 10.0
-#: a sharded job's worker host asks the coordinator for its lineages' control this often (one call per node
-#: instead of one per rank every 0.5 s: runtime/sink.py's _CONTROL_S)
-CONTROL_RELAY_S = 0.5
-#: a relayed control answer older than this is not handed out (the sender asks the coordinator itself); a
-#: generation not asked for that long is no longer asked for
-CONTROL_STALE_S = 5.0
 
 
 @dataclass
@@ -127,15 +120,11 @@ class PersistenceWorker:
         self.storage = storage  # a picklable StorageBackend
         self.node_id = ray.get_runtime_context().get_node_id()
         self.memory_budget = _fit_object_store(memory_budget, self.node_id)
-        self.durable_delay = durable_delay
         self.incarnation = uuid.uuid4().hex
         self._cv = threading.Condition()
         self._held: "collections.OrderedDict[str, _Held]" = collections.OrderedDict()
         self._held_bytes = 0
-        self._pending: dict[int, dict[int, tuple[Manifest, int]]] = {}  # gen -> first_step -> (chunk, batch)
-        self._fulls: collections.deque = collections.deque()            # full manifests to write
-        self._flush_requested = 0
-        self._writing = False
+        self._queue = WriteQueue(durable_delay)       # what goes to storage next (under _cv)
         self._error: str | None = None
         self._stats = collections.Counter()
         self._coordinator = None
@@ -150,7 +139,7 @@ class PersistenceWorker:
         self._draining: dict[str, int] = {}           # node drains (node -> deadline ms), see drain_notice
         self._drain_self = False                      # this node drains: write everything it received now
         self._replica_cache: tuple[float, object] | None = None
-        self._ctl: dict[int, dict] = {}               # generation -> relayed control state (see control)
+        self._relay = ControlRelay()                  # control relayed for this node's rank (under _cv)
         for target, name in ((self._write_loop, "ray_ckpt-persist"), (self._report_loop, "ray_ckpt-report")):
             threading.Thread(target=target, daemon=True, name=name).start()
         # a restarted worker lost its objects: tell the coordinator first (in order with what follows); a first
@@ -192,7 +181,7 @@ class PersistenceWorker:
             victim = next((n for n, h in self._held.items() if h.durable
                            and not (h.manifest.kind == "full" and h.manifest.last_step == newest_full)), None)
             if victim is None:
-                if not wait or self._error is not None or not (self._pending_any() or self._writing):
+                if not wait or self._error is not None or not self._queue.busy():
                     break
                 t0 = time.perf_counter()
                 self._cv.wait(0.5)
@@ -205,9 +194,6 @@ class PersistenceWorker:
             self._stats["released"] += len(released)
             self._reports.append(("release", released))
             self._cv.notify_all()
-
-    def _pending_any(self) -> bool:
-        return bool(self._fulls) or any(self._pending.values())
 
     def _peer(self):
         """``(handle, node_id)`` of the next alive node's worker (ring order by node id), or (None, "")."""
@@ -264,10 +250,7 @@ class PersistenceWorker:
         if replica is not None:
             replica.feed.remote(m.to_json(), [ref])
         with self._cv:
-            if m.kind == "full":
-                self._fulls.append(m)
-            else:
-                self._pending.setdefault(m.generation, {})[m.first_step] = (m, max(1, batch_steps))
+            self._queue.add(m, batch_steps)
             self._cv.notify_all()
         self._stats["received"] += 1
         self._stats["received_bytes"] += nbytes
@@ -344,16 +327,16 @@ class PersistenceWorker:
         replication call has settled (a replica whose peer died is given up: the object is durable)."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            self._flush_requested += 1
+            self._queue.flush_requested += 1
             self._cv.notify_all()
             try:
-                while ((self._pending_any() or self._writing or self._replica_calls or self._reports
+                while ((self._queue.busy() or self._replica_calls or self._reports
                         or self._reports_sending) and self._error is None):
                     if time.monotonic() > deadline:
                         raise TimeoutError("persistence worker flush timed out")
                     self._cv.wait(0.1)
             finally:
-                self._flush_requested -= 1
+                self._queue.flush_requested -= 1
             if self._error is not None:
                 raise RuntimeError(f"persistence worker on node {self.node_id} failed: {self._error}")
             last = self._last_update
@@ -386,46 +369,20 @@ class PersistenceWorker:
         has no answer younger than ``CONTROL_STALE_S`` (the sender then asks the coordinator itself).
         Training process (remote)."""
         with self._cv:
-            st = self._ctl.setdefault(generation, {"asked": 0.0, "trainers": [], "answer": None, "at": 0.0,
-                                                   "want_full": False, "gaps": []})
-            st["asked"] = time.monotonic()
-            if trainer:
-                st["trainers"].append(trainer)
-            if st["answer"] is None or time.monotonic() - st["at"] > CONTROL_STALE_S:
-                return None
-            out = dict(st["answer"], want_full=st["want_full"], gaps=st["gaps"])
-            st["want_full"], st["gaps"] = False, []
-            return out
+            return self._relay.ask(generation, trainer)
 
     def control_requests(self) -> dict:
         """``{generation: [trainer reports]}`` of the generations whose sender asked within
         ``CONTROL_STALE_S`` (the reports taken). Worker host's control thread."""
-        now = time.monotonic()
         with self._cv:
-            out = {}
-            for gen, st in list(self._ctl.items()):
-                if now - st["asked"] > CONTROL_STALE_S:
-                    if now - st["asked"] > 60.0 and not st["want_full"] and not st["gaps"]:
-                        del self._ctl[gen]
-                    continue
-                out[gen], st["trainers"] = st["trainers"], []
-            return out
+            return self._relay.requests()
 
     def control_answer(self, generation: int, answer: dict, trainers: list) -> None:
         """The coordinator's answer for ``generation`` (kept until the sender's next :meth:`control`; a
         ``want_full`` or gap is kept until delivered). ``answer=None``: the ask failed, its ``trainers`` are
         forwarded with the next one. Worker host's control thread."""
         with self._cv:
-            st = self._ctl.get(generation)
-            if st is None:
-                return
-            if answer is None:
-                st["trainers"][:0] = trainers
-                return
-            st["answer"] = {"delegate": answer.get("delegate", False), "draining": answer.get("draining") or {}}
-            st["at"] = time.monotonic()
-            st["want_full"] = st["want_full"] or bool(answer.get("want_full"))
-            st["gaps"] = st["gaps"] + list(answer.get("gaps") or [])
+            self._relay.answered(generation, answer, trainers)
 
     def inventory(self) -> list:
         """``[(manifest_json, [ref], durable)]`` of everything held (coordinator rebuild)."""
@@ -437,9 +394,7 @@ class PersistenceWorker:
         stay held, releasable like durable objects, for restores of older steps while memory allows)."""
         covered: list[str] = []
         with self._cv:
-            chunks = self._pending.get(generation, {})
-            for first in [f for f, (m, _) in chunks.items() if m.last_step <= step and _lazy(m)]:
-                del chunks[first]
+            self._queue.cover(generation, step)
             for h in self._held.values():
                 m = h.manifest
                 if m.generation == generation and m.kind == "diff" and m.last_step <= step and _lazy(m) \
@@ -462,10 +417,7 @@ class PersistenceWorker:
             if unsafe:
                 self._mark_safe_locked(unsafe)
                 for n in unsafe:
-                    m = self._held[n].manifest
-                    chunks = self._pending.get(m.generation, {})
-                    if m.kind == "diff" and chunks.get(m.first_step, (None,))[0] is m:
-                        del chunks[m.first_step]
+                    self._queue.drop(self._held[n].manifest)
             for n in names:
                 h = self._held.pop(n, None)
                 if h is not None:
@@ -476,7 +428,7 @@ class PersistenceWorker:
         with self._cv:
             return {"node_id": self.node_id, "incarnation": self.incarnation, "memory_budget": self.memory_budget,
                     "held_objects": len(self._held),
-                    "held_bytes": self._held_bytes, "queued_chunks": sum(len(p) for p in self._pending.values()),
+                    "held_bytes": self._held_bytes, "queued_chunks": self._queue.queued_chunks(),
                     "error": self._error, **self._stats}
 
     def ping(self) -> str:
@@ -575,8 +527,8 @@ class PersistenceWorker:
                     self._reports_sending = False
                     self._cv.notify_all()
             with self._cv:   # a flush does not wait out a long interval (a wide job's)
-                self._cv.wait_for(lambda: self._flush_requested > 0, timeout=self._report_interval)
-            if self._flush_requested > 0:
+                self._cv.wait_for(lambda: self._queue.flush_requested > 0, timeout=self._report_interval)
+            if self._queue.flush_requested > 0:
                 time.sleep(_REPORT_INTERVAL_S)
 
     def _update_pending(self) -> bool:
@@ -632,7 +584,7 @@ class PersistenceWorker:
                     job = self._next_job_locked()
                     if job is None:
                         self._cv.wait(0.2)
-                self._writing = True
+                self._queue.writing = True
             try:
                 kind, payload = job
                 if kind == "full":
@@ -651,97 +603,35 @@ class PersistenceWorker:
                 with self._cv:
                     self._error = f"{type(e).__name__}: {e}"
                     self._retry_at = time.monotonic() + _RETRY_AFTER_FAILURE_S
-                    self._requeue_locked(kind, payload)
+                    self._queue.requeue(kind, payload)
             finally:
                 with self._cv:
-                    self._writing = False
+                    self._queue.writing = False
                     self._cv.notify_all()
 
-    def _requeue_locked(self, kind: str, payload) -> None:
-        """Put a job whose write failed back at the head of its queue (held data is never dropped)."""
-        if kind == "full":
-            self._fulls.appendleft(payload)
-            return
-        steps = sum(m.last_step - m.first_step + 1 for m in payload)
-        chunks = self._pending.setdefault(payload[0].generation, {})
-        for m in payload:
-            chunks[m.first_step] = (m, steps)
-
     def _next_job_locked(self):
-        """The next write: a full, else the first run of consecutive diff chunks of a generation once it holds
-        ``batch_steps`` steps, or on flush / memory pressure / when its oldest chunk waited ``durable_delay``.
-        After a write failed beyond its retry budget, nothing until ``_retry_at``."""
+        """The next write (:meth:`WriteQueue.next_job`); after a write failed beyond its retry budget, nothing
+        until ``_retry_at``. Writer thread, under the lock."""
         if self._error is not None and time.monotonic() < self._retry_at:
             return None
-        if self._fulls:
-            return "full", self._fulls.popleft()
-        urgent = self._flush_requested > 0 or self._held_bytes > self.memory_budget or self._drain_self
-        now = time.monotonic()
-        for gen, chunks in self._pending.items():
-            if not chunks:
-                continue
-            run: list[Manifest] = []
-            steps = 0
-            for first in sorted(chunks):
-                m, batch = chunks[first]
-                if run and (first != run[-1].last_step + 1 or m.info != run[0].info or m.info.get("atomic")
-                            or run[0].info.get("atomic")):
-                    break
-                run.append(m)
-                steps += m.last_step - m.first_step + 1
-                if steps >= batch:
-                    break
-            held = self._held.get(run[0].name)
-            age = now - held.received if held is not None else self.durable_delay
-            peer_node = self._peer_cache[2] if self._peer_cache is not None else ""
-            if _lazy(run[0]) and not urgent and peer_node:
-                # a lazy chunk is written alone, only when its second copy is missing: the peer did not
-                # acknowledge it within LAZY_GRACE_S, or it is no longer the ring's next node (died, replaced).
-                # Without any peer (one node) this copy is the only one: written like durable_diffs="all".
-                for first in sorted(chunks):
-                    m = chunks[first][0]
-                    h = self._held.get(m.name)
-                    if h is None or (now - h.received >= LAZY_GRACE_S and (not h.peer or h.peer != peer_node)):
-                        del chunks[first]
-                        return "diffs", [m]
-                continue
-            if steps >= chunks[run[0].first_step][1] or urgent or age >= self.durable_delay \
-                    or run[0].info.get("atomic"):
-                for m in run:
-                    del chunks[m.first_step]
-                return "diffs", run
-        return None
+        return self._queue.next_job(self._held, urgent=self._held_bytes > self.memory_budget or self._drain_self,
+                                    peer_node=self._peer_cache[2] if self._peer_cache is not None else "")
 
     def _write_batch(self, run: list[Manifest]) -> None:
-        parts, bufs, covers = [], [], []
+        bufs, covers = [], []
         for m in run:
             with self._cv:
                 h = self._held.get(m.name)
             if h is None:  # released by GC meanwhile
                 continue
             bufs.extend(as_buffers(ray.get(h.ref)))
-            parts.append((m.crc32, m.nbytes))
             covers.append(m)
         if not covers:
             return
         if len(covers) == 1:
             self._commit(covers[0], bufs, [covers[0].name])
             return
-        algs = {m.crc_alg for m in covers}
-        if len(algs) == 1:   # from the chunks' checksums, no pass over the bytes
-            alg = algs.pop()
-            crc, n = segments.combine_all(parts, alg)
-        else:   # one generation has one sender, so its chunks share an algorithm; should they ever not, the
-                # checksums do not combine: one pass over the bytes rather than a wrong checksum
-            alg = checksum.DEFAULT
-            crc, n = checksum.of_buffers(alg, bufs)
-        first, last = covers[0].first_step, covers[-1].last_step
-        m0 = covers[0]
-        name = diff_name(m0.generation, first, last)
-        merged = Manifest(kind="diff", generation=m0.generation, first_step=first, last_step=last,
-                          object=object_key(name), nbytes=n, crc32=crc, crc_alg=alg, strategy=m0.strategy,
-                          info=dict(m0.info))
-        self._commit(merged, bufs, [m.name for m in covers])
+        self._commit(merged_manifest(covers, bufs), bufs, [m.name for m in covers])
 
     def _commit(self, m: Manifest, bufs: list, covers: list[str]) -> None:
         t0 = time.perf_counter()

@@ -49,7 +49,8 @@ from ray_ckpt.policy.budget import choose_durable
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import lineages
-from ray_ckpt.runtime.shared import SharedArena, SharedMemoryUnavailable
+from ray_ckpt.runtime.shared import SharedMemoryUnavailable
+from ray_ckpt.runtime.trainer.arena import SharedArena
 from ray_ckpt.runtime.worker import get_or_create_worker
 
 log = logging.getLogger("ray_ckpt")
@@ -203,14 +204,12 @@ class RaySink(BoundedSink):
 
     def wait_safe(self, timeout: float | None = 300.0) -> None:
         """Return once everything submitted so far is held on two nodes or durable (training thread)."""
-        marker = FlushMarker()
-        marker.safe_only = True
+        marker = FlushMarker(safe_only=True)
         self._wait_marker(marker, timeout, 0.1, "the attach checkpoint was not secured")
 
     def wait_received(self, timeout: float | None = 300.0) -> None:
         """Return once everything submitted so far is held by this node's persistence worker (training thread)."""
-        marker = FlushMarker()
-        marker.received_only = True
+        marker = FlushMarker(received_only=True)
         self._wait_marker(marker, timeout, 0.05, "the steps handed over were not received")
 
     def _wait_marker(self, marker: FlushMarker, timeout: float | None, poll: float, what: str) -> None:
@@ -298,9 +297,9 @@ class RaySink(BoundedSink):
                         if chunk:
                             self._handoff(chunk)
                             chunk = []
-                        if getattr(item, "received_only", False):
+                        if item.received_only:
                             self._drain_inflight()   # every hand-off answered: held by this node's worker
-                        elif getattr(item, "safe_only", False):
+                        elif item.safe_only:
                             self._wait_safe()
                         else:
                             self._flush_worker()
@@ -323,7 +322,7 @@ class RaySink(BoundedSink):
                         # and only widen what a crash of this process loses, so hand the record over at once
                         slow = gap_ewma is not None and gap_ewma > self.handoff_delay
                         if close_batch or len(chunk) >= self.batch_steps or self._pressure or slow \
-                                or self._notice is not None:   # a drain notice: nothing waits to be batched
+                                or self.drain.active:   # a drain notice: nothing waits to be batched
                             self._handoff(chunk)
                             chunk = []
                         elif time.monotonic() - hk_t < _REAP_S:
@@ -663,11 +662,11 @@ class RaySink(BoundedSink):
         self._draining_nodes = set(draining)
         deadline = draining.get(self.node_id)
         if deadline is None:
-            if self._notice is not None and self._notice.get("source") == "node":
+            if self.drain.active and self.drain.info.get("source") == "node":
                 log.info("ray_ckpt: node %s no longer drains; batching again", self.node_id[:12])
                 self.notice(None)
             return
-        if self._notice is None:
+        if not self.drain.active:
             info = dict(drain_watch.notice_info(self.node_id, deadline), source="node")
             log.warning("ray_ckpt: this node (%s) is draining%s: every step is handed over at once, and near "
                         "the deadline each step waits until it is held on a node that stays",
@@ -680,7 +679,7 @@ class RaySink(BoundedSink):
         node of the worker group elsewhere: Ray Train ends this process at the deadline, but this node stays),
         once this node's worker holds it: what it holds outlives this process, as every step's record does
         between its hand-off and its second copy."""
-        n = self._notice or {}
+        n = self.drain.info or {}
         nodes = [x for x in (n.get("nodes") or [n.get("node")]) if x]
         if nodes and self.node_id not in nodes and self.node_id not in self._draining_nodes:
             self.notice_waits["received"] += 1

@@ -17,7 +17,7 @@ from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator
 from ray_ckpt.runtime.plan_reader import load_plan
 from ray_ckpt.runtime.replica import get_or_create_replica
-from ray_ckpt.runtime.sink import RaySink
+from ray_ckpt.runtime.trainer.sink import RaySink
 from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE, get_or_create_worker, object_store_capacity
 
 log = logging.getLogger("ray_ckpt")
