@@ -166,7 +166,9 @@ class Checkpointer:
                                             granular=impl.name == "lowdiff" and self.shard_spec is None,
                                             max_k=self.config.max_full_every, on_change=self._budget_changed,
                                             draining=lambda: self._sink.drain_due, pin=self.config.recovery_every)
-        if start_step > 0 and budget.granular and budget.budget > 0:
+        if budget.pin:
+            log.info("ray_ckpt: %s", budget.reason)
+        elif start_step > 0 and budget.granular and budget.budget > 0:
             previous = self._sink.previous_granularity()
             if previous is not None and budget.resume(previous):
                 log.info("ray_ckpt: overhead budget %.1f %%: %s", 100 * budget.budget, budget.reason)
