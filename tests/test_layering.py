@@ -322,7 +322,6 @@ SIZE_ALLOWED: dict[str, str] = {
     "api.py": "Checkpointer's runtime branches are moving behind one runtime interface",
     "api.py:Checkpointer.__init__": "as its file: the attach steps move into the runtimes and the Attachment",
     "engine/sharded.py": "sharded save, restore and resharding in one module: to be cut by concern",
-    "integrations/compression.py": "the top-k and int8 hooks with their exchange and state: to be cut by hook",
 }
 
 
