@@ -321,7 +321,6 @@ SIZE_ALLOWED: dict[str, str] = {
     "runtime/sink.py:RaySink": "as its file",
     "api.py": "Checkpointer's runtime branches are moving behind one runtime interface",
     "api.py:Checkpointer.__init__": "as its file: the attach steps move into the runtimes and the Attachment",
-    "engine/sharded.py": "sharded save, restore and resharding in one module: to be cut by concern",
 }
 
 
