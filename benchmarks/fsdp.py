@@ -143,7 +143,7 @@ def _restore(spec: jobs.JobSpec, total: int, uri: str, rt: dict, live: blocks.Ar
     import torch.distributed as dist
 
     import ray_ckpt
-    from ray_ckpt.engine.sharded import local
+    from ray_ckpt.engine.dtensor import local
     fresh = _replica(spec, total, seed=99, mesh_shape=mesh_shape)
     t0 = time.perf_counter()
     out["restored_step"] = ray_ckpt.restore(uri, fresh.net, fresh.opt, scheduler=fresh.sched, **rt)

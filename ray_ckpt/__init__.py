@@ -32,7 +32,7 @@ _LAZY = {
     "ExportError": "ray_ckpt.engine.export",
     # these two load Ray Train / torch.distributed on first use (also ray_ckpt.train / ray_ckpt.compression's)
     "RestoreError": "ray_ckpt.integrations.agreement",
-    "CompressionExchangeError": "ray_ckpt.integrations.compression",
+    "CompressionExchangeError": "ray_ckpt.integrations.grad_exchange",
 }
 
 # the exception classes among the public names (all derive from RayCkptError)

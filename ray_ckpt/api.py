@@ -26,7 +26,9 @@ from ray_ckpt.lineage.layout import POINTER_FILE
 from ray_ckpt.lineage.pointer import read_pointer
 from ray_ckpt.policy.budget import BudgetPolicy, StepMeter
 from ray_ckpt import storage as _storage
-from ray_ckpt.engine import sharded as _sharded
+from ray_ckpt.engine import consolidate as _consolidate
+from ray_ckpt.engine import shard_layout as _layout
+from ray_ckpt.engine.sharded import restore_sharded
 
 log = logging.getLogger("ray_ckpt")
 
@@ -182,7 +184,7 @@ class Checkpointer:
         """Hand the attach full over and secure it as the runtime promises
         (:meth:`~ray_ckpt.engine.runtimes.TrainerRuntime.secure_first_full`). Training thread, at attach."""
         if self.shard_spec is not None:
-            self._capture.sharding = _sharded.sharding_info(self.shard_spec)
+            self._capture.sharding = _layout.sharding_info(self.shard_spec)
         self._capture.meter = _meter(self._sink, self._on_window)
         self._sink.attach_capture(self._capture, start_step)   # (the Ray sender publishes its metrics)
         full = self._capture.snapshot_now()   # (coarse when resumed in the every-k mode)
@@ -364,9 +366,9 @@ def _open_lineage(uri, storage_options: dict | None, run: str | None, shard_spec
     if shard_spec is None:
         return storage, run
     if shard_spec.writes:   # HSDP: the replicas > 0 write nothing, not even the marker
-        _sharded.mark_world(storage, shard_spec)
+        _layout.mark_world(storage, shard_spec)
     run = rt.lineage_run(storage, run, shard_spec)
-    return _sharded.shard_storage(storage, shard_spec.world, shard_spec.rank), run
+    return _layout.shard_storage(storage, shard_spec.world, shard_spec.rank), run
 
 
 #: set on an optimizer by an unsharded :func:`restore`: ``{"uri", "step", "safe"}`` of the state it installed
@@ -460,7 +462,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     storage = open_uri(uri, storage_options)
     if shard_spec is not None:
         memory = rt.sharded_memory(run)
-        out = _sharded.restore_sharded(storage, model, optimizer, shard_spec, step=step, scheduler=scheduler,
+        out = restore_sharded(storage, model, optimizer, shard_spec, step=step, scheduler=scheduler,
                                        scaler=scaler, extra_state=extra_state, fallback=fallback,
                                        restore_rng=restore_rng, memory=memory)
         dt = time.perf_counter() - t0
@@ -468,7 +470,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
                  "" if memory is None else f" (shard objects: {memory.tiers})")
         rt.record_restore(storage, run, dt)
         return out
-    if _sharded.consolidates(storage):   # a sharded root into an unsharded model: gather the saved shards
+    if _consolidate.consolidates(storage):   # a sharded root into an unsharded model: gather the saved shards
         return _restore_consolidated(storage, model, optimizer, step=step, scheduler=scheduler, scaler=scaler,
                                      extra_state=extra_state, fallback=fallback, restore_rng=restore_rng,
                                      rt=rt, run=run, t0=t0)
@@ -493,7 +495,7 @@ def _restore_consolidated(storage, model, optimizer, *, rt: TrainerRuntime, run:
     :func:`ray_ckpt.engine.sharded.restore_consolidated`); with ``runtime="ray"`` through the shard runs. Calling
     process."""
     memory = rt.sharded_memory(run)
-    out = _sharded.restore_consolidated(storage, model, optimizer, memory=memory, **kw)
+    out = _consolidate.restore_consolidated(storage, model, optimizer, memory=memory, **kw)
     dt = time.perf_counter() - t0
     log.info("ray_ckpt: restored step %d (consolidated from sharded state) from %s in %.3f s", out,
              storage.describe(), dt)
@@ -504,7 +506,7 @@ def _restore_consolidated(storage, model, optimizer, *, rt: TrainerRuntime, run:
 def _refuse_one_shard(chain, storage) -> None:
     """An unsharded restore of one rank's shard lineage (``<root>/shards/w<W>/r<R>``) would load a shard as the
     whole model: refused, saying what to open instead."""
-    sharding = _sharded.shard_of(chain.full.layout)
+    sharding = _layout.shard_of(chain.full.layout)
     if sharding is not None:
         raise ValueError(f"{storage.describe()} is the shard lineage of rank {sharding.get('rank')} of "
                          f"{sharding.get('world')} (FSDP2): it holds that rank's shards only. Restore the root (the "

@@ -204,7 +204,8 @@ def ray_train_and_restore(rank, world, port, uri, out, address, run):
     still attached, storage alone restores an older step, and every rank restores the latest step through the
     shard runs: from each shard's replica, nothing replayed, bitwise; an older step bitwise too; then the
     lineage is closed."""
-    from ray_ckpt.engine.sharded import restore_sharded, spec_of
+    from ray_ckpt.engine.shard_layout import spec_of
+    from ray_ckpt.engine.sharded import restore_sharded
     from ray_ckpt.runtime.trainer.client import ShardedMemoryTier
     from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE
     from ray_ckpt.storage import open_storage

@@ -27,6 +27,7 @@ from ray_ckpt import compression
 from ray_ckpt.compression import CompressionExchangeError, Int8State, TopKState, int8_hook, topk_hook
 from ray_ckpt.engine import grad_support as support
 from ray_ckpt.integrations import compression as hooks
+from ray_ckpt.integrations.grad_exchange import HEADER_BYTES
 
 RATIO = 0.05
 BUCKET_CAP_MB = 0.005  # ~1.3k floats: four buckets for the MLP below (after DDP's rebuild at step 1)
@@ -132,18 +133,18 @@ def _worker(rank: int, init_file: str, out_dir: str, plan: list) -> None:
                             timeout=timedelta(seconds=SLACK_S))
     group = dist.new_group([0, 1], timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     results: dict = {}
-    original_gather = hooks._gather_bytes
+    original_gather = hooks.gather_bytes
     for name, hook_name, fault_name, steps in plan:
         fault = _FAULTS.get(fault_name)
         sent: dict = {}
         if fault_name in _PAYLOAD_FAULTS:
-            hooks._gather_bytes = _corrupting_gather(original_gather, rank, fault_name, sent)
+            hooks.gather_bytes = _corrupting_gather(original_gather, rank, fault_name, sent)
         ck_uri = os.path.join(out_dir, f"ck-{name}") if rank == 0 and fault_name == "flip" else None
         results[name] = _train(rank, group, hook_name, steps, fault=fault, ck_uri=ck_uri)
         if ck_uri is not None:
             m2 = _mlp()
             results[name]["restored_step"] = ray_ckpt.restore(ck_uri, m2, torch.optim.SGD(m2.parameters(), lr=0.05))
-        hooks._gather_bytes = original_gather
+        hooks.gather_bytes = original_gather
         _save(out_dir, rank, results)
     os._exit(0)  # no destroy_process_group: a peer may be gone
 
@@ -163,16 +164,16 @@ _PAYLOAD_FAULTS = ("flip", "truncate", "stale", "index", "received")
 
 
 def _corrupting_gather(original, rank: int, fault: str, sent: dict):
-    """``_gather_bytes`` that breaks bucket ``FAULT_BUCKET``'s exchange at backward pass ``FAULT_STEP``: rank 1's
-    payload as every rank receives it (``received``: as rank 0 alone receives it)."""
+    """The hooks' ``gather_bytes``, breaking bucket ``FAULT_BUCKET``'s exchange at backward pass ``FAULT_STEP``:
+    rank 1's payload as every rank receives it (``received``: as rank 0 alone receives it)."""
 
     def gather(payload, world, group):
-        words = payload[: hooks._HEADER_BYTES].view(torch.int64)
+        words = payload[:HEADER_BYTES].view(torch.int64)
         backward_pass, bucket = int(words[3]), int(words[4])
         hit = backward_pass == FAULT_STEP and bucket == FAULT_BUCKET
         if rank == 1 and hit and fault == "flip":
             payload = payload.clone()
-            payload[hooks._HEADER_BYTES + 3] ^= 0x10  # one bit of the first value
+            payload[HEADER_BYTES + 3] ^= 0x10  # one bit of the first value
         elif rank == 1 and hit and fault == "truncate":  # the first 8 bytes lost, the buffer's tail unwritten
             payload = torch.cat([payload[8:], torch.zeros(8, dtype=torch.uint8)])
         elif rank == 1 and hit and fault == "stale":  # the previous pass's payload of this bucket, resent
@@ -180,14 +181,14 @@ def _corrupting_gather(original, rank: int, fault: str, sent: dict):
         elif rank == 1 and hit and fault == "index":  # a valid-looking payload (checksum redone) with a bad index
             payload = payload.clone()
             payload[-4:].view(torch.int32)[0] = -7
-            torch.sum(payload[hooks._HEADER_BYTES :].view(torch.int64), dim=0, keepdim=True,
-                      out=payload[: hooks._HEADER_BYTES].view(torch.int64)[7:])
+            torch.sum(payload[HEADER_BYTES :].view(torch.int64), dim=0, keepdim=True,
+                      out=payload[:HEADER_BYTES].view(torch.int64)[7:])
         sent[bucket] = payload.clone()
         out, fut = original(payload, world, group)
         if rank == 0 and hit and fault == "received":
             def corrupt(f):
                 f.value()
-                out[1, hooks._HEADER_BYTES + 3] ^= 0x10
+                out[1, HEADER_BYTES + 3] ^= 0x10
                 return out
             fut = fut.then(corrupt)
         return out, fut

@@ -14,7 +14,7 @@ import torch
 
 import ray_ckpt
 from ray_ckpt.cli.main import main as cli_main
-from ray_ckpt.engine import sharded
+from ray_ckpt.engine import consolidate, shard_chains, shard_layout
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.storage import open_storage
 from tests import _fsdp_worker as W, _training as T
@@ -144,7 +144,7 @@ def test_cli_inspect_verify_restore_gc_on_a_sharded_root(run, tmp_path, capsys):
         assert r["read"][0]["object"].startswith(f"shards/w00002/r{r['rank']:05d}/objects/")
     assert cli_main(["verify", uri, "-q"]) == 0
     text = capsys.readouterr().out
-    n = sum(len(st.list("manifests/")) for st in (sharded.shard_storage(open_storage(uri), 2, r) for r in (0, 1)))
+    n = sum(len(st.list("manifests/")) for st in (shard_layout.shard_storage(open_storage(uri), 2, r) for r in (0, 1)))
     assert f"verified {n}/{n} objects" in text
     assert cli_main(["restore", uri, str(tmp_path / "r"), "-q"]) == 0
     capsys.readouterr()
@@ -158,8 +158,8 @@ def test_cli_inspect_verify_restore_gc_on_a_sharded_root(run, tmp_path, capsys):
     assert all(o.startswith("shards/w00002/r0000") for o in res["objects"])
     assert {o.split("/")[2] for o in res["objects"]} == {"r00000", "r00001"}
     st = open_storage(uri)
-    lins = [load_lineage(sharded.shard_storage(st, 2, r))[0] for r in (0, 1)]
-    assert min(sharded.common_steps(lins)) == 12 and sharded.agreed_step(lins, None) == W.STEPS
+    lins = [load_lineage(shard_layout.shard_storage(st, 2, r))[0] for r in (0, 1)]
+    assert min(shard_chains.common_steps(lins)) == 12 and shard_chains.agreed_step(lins, None) == W.STEPS
     model, opt, sch = _plain()
     assert ray_ckpt.restore(uri, model, opt, scheduler=sch, step=12) == 12
     _check(run, 12, model, opt, sch, "step 12 after gc")
@@ -174,7 +174,7 @@ def test_gc_never_collects_a_step_that_a_lagging_rank_still_needs(run, tmp_path,
     root = tmp_path / "lag"
     shutil.copytree(run["uri"], root)
     st = open_storage(str(root))
-    r1 = sharded.shard_storage(st, 2, 1)
+    r1 = shard_layout.shard_storage(st, 2, 1)
     for key in r1.list("manifests/"):
         if int(key.split("/")[-1].split("-")[2].split(".")[0]) > 12:    # g<gen>-<kind>-<first>[-<last>].json
             r1.delete(key)
@@ -194,5 +194,5 @@ def test_fsdp2_restore_of_a_root_without_shards_says_what_is_there(tmp_path):
     with ray_ckpt.Checkpointer(uri, model, opt, policy="fixed", keep_fulls=0):
         pass
     with pytest.raises(ray_ckpt.NoCheckpointError, match="no shard lineages there; it holds an unsharded lineage"):
-        sharded.choose_world(open_storage(uri), None)
-    assert sharded.consolidates(open_storage(uri)) == []
+        shard_chains.choose_world(open_storage(uri), None)
+    assert consolidate.consolidates(open_storage(uri)) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_ckpt.engine import sharded
+from ray_ckpt.engine import shard_layout
 from ray_ckpt.storage import open_storage
 from tests import _fsdp_worker as W, _training as T
 
@@ -16,7 +16,7 @@ def test_hsdp_2x2_writes_one_replica_group_and_restores_bitwise_at_any_shape(tmp
     T.spawn(W.hsdp_train_killed, args=(4, T.free_port(), uri, out), nprocs=4)   # they die at the end
     storage = open_storage(uri)
     # the layout of a 1-D FSDP2 run of 2 ranks: replica 0 of each shard wrote it, no key from the replicas
-    assert sharded.saved_worlds(storage) == [2]
+    assert shard_layout.saved_worlds(storage) == [2]
     assert {k.split("/")[2] for k in storage.list("shards/w00002/")} == {"r00000", "r00001"}
     assert [k for k in storage.list("") if not k.startswith("shards/w00002/r0000")] == ["shards/world-00002.json"]
     T.spawn(W.hsdp_restore, args=(4, T.free_port(), uri, out, (2, 2), [None, 7]), nprocs=4)
@@ -29,9 +29,9 @@ def test_placements_other_than_shard_and_hsdp_are_refused_naming_them():
     with Shard(d) on a 2-D mesh; tensor parallelism (two Shard placements, a strided shard), Partial, 3-D meshes
     and replicated-only parameters raise NotImplementedError naming what was found."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    assert sharded.mesh_layout((Shard(0),), 1) == (0, None)
-    assert sharded.mesh_layout((Replicate(), Shard(1)), 2) == (1, 0)       # HSDP: (replicate, shard)
-    assert sharded.mesh_layout((Shard(0), Replicate()), 2) == (0, 1)
+    assert shard_layout.mesh_layout((Shard(0),), 1) == (0, None)
+    assert shard_layout.mesh_layout((Replicate(), Shard(1)), 2) == (1, 0)       # HSDP: (replicate, shard)
+    assert shard_layout.mesh_layout((Shard(0), Replicate()), 2) == (0, 1)
     refused = {(Shard(0), Shard(1)): "two Shard placements", (Replicate(), Partial()): "Partial",
                (Partial(),): "Partial", (Replicate(),): "no Shard placement",
                (Replicate(), Replicate(), Shard(0)): "3-D"}
@@ -42,7 +42,7 @@ def test_placements_other_than_shard_and_hsdp_are_refused_naming_them():
         pass
     for placements, what in refused.items():
         with pytest.raises(NotImplementedError, match=what):
-            sharded.mesh_layout(placements, len(placements))
+            shard_layout.mesh_layout(placements, len(placements))
 
 
 @pytest.mark.procs

@@ -124,12 +124,12 @@ def test_ray_job_submit_fsdp_writes_every_ranks_shard_lineage(ray_head, tmp_path
     """The example with FSDP2 (--fsdp): every rank writes its shard lineage; both reach the last step."""
     jobs = {"job-fsdp": (tmp_path / "ckpt_fsdp", ["--fsdp"])}
     _submit_and_wait(ray_head, jobs)
-    from ray_ckpt.engine import sharded
+    from ray_ckpt.engine import shard_chains, shard_layout
     from ray_ckpt.engine.lineage_io import load_lineage
     from ray_ckpt.storage import open_storage
     s2 = open_storage(str(jobs["job-fsdp"][0]))
-    assert sharded.saved_worlds(s2) == [2]
+    assert shard_layout.saved_worlds(s2) == [2]
     for rank in range(2):
-        lin, _ = load_lineage(sharded.shard_storage(s2, 2, rank))
+        lin, _ = load_lineage(shard_layout.shard_storage(s2, 2, rank))
         assert lin.head() == 8 and lin.reachable_steps(1) == list(range(9)), rank
-    assert sharded.choose_world(s2, None) == (2, [8])
+    assert shard_chains.choose_world(s2, None) == (2, [8])

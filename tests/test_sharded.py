@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from ray_ckpt.engine import sharded
+from ray_ckpt.engine import shard_layout, sharded
 from ray_ckpt.storage import open_storage
 from tests import _fsdp_worker as W, _training as T
 
@@ -26,7 +26,7 @@ def test_fsdp2_shards_restore_bitwise_at_any_world_size(tmp_path, capsys):
     uri, out = str(tmp_path / "ckpt"), str(tmp_path)
     T.spawn(W.train_and_restore, args=(2, T.free_port(), uri, out), nprocs=2)
     storage = open_storage(uri)
-    assert sharded.saved_worlds(storage) == [2]
+    assert shard_layout.saved_worlds(storage) == [2]
     assert storage.list("shards/w00002/r00001/manifests/")          # rank 1 wrote its own lineage
     listed = _ls(uri, capsys)["sharded"]
     assert [(w["world"], w["latest"], [r["head"] for r in w["ranks"]]) for w in listed] == [(2, W.STEPS, [W.STEPS] * 2)]
@@ -71,19 +71,19 @@ def test_reshard_reads_only_the_saved_shards_that_overlap():
         for world in range(1, 6):
             parts = torch.chunk(t, world) if length else ()
             for rank in range(world):
-                a, b = sharded._span(length, world, rank)
+                a, b = shard_layout.chunk_span(length, world, rank)
                 want = parts[rank].tolist() if rank < len(parts) else []
                 assert t[a:b].tolist() == want, (length, world, rank)
             for new_world in range(1, 6):
                 for rank in range(new_world):
-                    a, b = sharded._span(length, new_world, rank)
-                    held = sharded._saved_ranks(length, world, new_world, rank)
-                    covered = [i for r in held for i in range(*sharded._span(length, world, r))]
+                    a, b = shard_layout.chunk_span(length, new_world, rank)
+                    held = shard_layout.saved_ranks(length, world, new_world, rank)
+                    covered = [i for r in held for i in range(*shard_layout.chunk_span(length, world, r))]
                     assert set(range(a, b)) <= set(covered), (length, world, new_world, rank)
-                    assert all(set(range(*sharded._span(length, world, r))) & set(range(a, b)) for r in held)
-    spec = sharded.ShardSpec(world=3, rank=0, shapes=((32, 4), (7,)), dims=(0, 0))
+                    assert all(set(range(*shard_layout.chunk_span(length, world, r))) & set(range(a, b)) for r in held)
+    spec = shard_layout.ShardSpec(world=3, rank=0, shapes=((32, 4), (7,)), dims=(0, 0))
     assert sharded._overlapping(spec, 2) == [0]            # [0, 11) and [0, 3) lie in saved shard 0
-    spec = sharded.ShardSpec(world=3, rank=2, shapes=((32, 4),), dims=(0,))
+    spec = shard_layout.ShardSpec(world=3, rank=2, shapes=((32, 4),), dims=(0,))
     assert sharded._overlapping(spec, 2) == [0, 1]         # [22, 32) in shard 1; rank 0 for the loop state
 
 
@@ -91,12 +91,12 @@ def test_shard_runs_are_found_by_their_actor_names():
     """runtime="ray": Ray Train's callback finds the shard runs of a run (to flush and stop them) by the names of
     their actors; another run whose name starts alike is not one of them."""
     from ray_ckpt.runtime import naming
-    names = [naming.coordinator_name(sharded.shard_run("exp", 2, 0)),
-             naming.replica_name(sharded.shard_run("exp", 2, 1)),
-             naming.worker_name(sharded.shard_run("exp", 2, 1), "node1"), naming.coordinator_name("exp"),
-             naming.coordinator_name(sharded.shard_run("exp2", 2, 0))]
-    assert naming.shard_runs("exp", names) == [sharded.shard_run("exp", 2, r) for r in range(2)]
-    assert sharded.shard_run(None, 2, 0) is None   # unnamed: the Checkpointer names it after the root
+    names = [naming.coordinator_name(shard_layout.shard_run("exp", 2, 0)),
+             naming.replica_name(shard_layout.shard_run("exp", 2, 1)),
+             naming.worker_name(shard_layout.shard_run("exp", 2, 1), "node1"), naming.coordinator_name("exp"),
+             naming.coordinator_name(shard_layout.shard_run("exp2", 2, 0))]
+    assert naming.shard_runs("exp", names) == [shard_layout.shard_run("exp", 2, r) for r in range(2)]
+    assert shard_layout.shard_run(None, 2, 0) is None   # unnamed: the Checkpointer names it after the root
 
 
 def test_shard_run_names_lead_to_their_job_and_lineage(tmp_path):
@@ -109,20 +109,20 @@ def test_shard_run_names_lead_to_their_job_and_lineage(tmp_path):
     from ray_ckpt.runtime.trainer.client import shard_lineage_run
     from ray_ckpt.storage import open_storage
     root = open_storage(str(tmp_path))
-    run = sharded.shard_run("exp", 3, 2)
+    run = shard_layout.shard_run("exp", 3, 2)
     assert lineages.is_shard_run(run) and not lineages.is_shard_run("exp")
     assert lineages.job_of(run) == "exp" and lineages.job_of("exp") == "exp"
     assert lineages.shard_of(run) == (3, 2)
-    assert lineages.shard_prefix(run) == sharded.shard_prefix(3, 2)
-    view = sharded.shard_storage(root, 3, 2)
+    assert lineages.shard_prefix(run) == shard_layout.shard_prefix(3, 2)
+    view = shard_layout.shard_storage(root, 3, 2)
     assert lineages.root_storage(view, run) is root
     assert lineages.lineage_storage(root, run).describe() == view.describe()
     with pytest.raises(ValueError, match="must be its view"):
-        lineages.root_storage(sharded.shard_storage(root, 3, 1), run)
+        lineages.root_storage(shard_layout.shard_storage(root, 3, 1), run)
     with pytest.raises(ValueError, match="not the name of a shard run"):
         lineages.shard_of("exp")
-    assert shard_lineage_run(root, None, 2, 1) == sharded.shard_run(naming.default_run_name(root.describe()), 2, 1)
-    assert shard_lineage_run(root, "exp", 2, 1) == sharded.shard_run("exp", 2, 1)
+    assert shard_lineage_run(root, None, 2, 1) == shard_layout.shard_run(naming.default_run_name(root.describe()), 2, 1)
+    assert shard_lineage_run(root, "exp", 2, 1) == shard_layout.shard_run("exp", 2, 1)
     # the job's hosts, and none of another job whose name starts alike
     names = [lineages.coordinator_host_name("exp"), lineages.worker_host_name("exp", "n1"),
              lineages.replica_host_name("exp", "n1"), lineages.coordinator_host_name("exp2"),
@@ -147,9 +147,9 @@ def test_cli_lease_of_a_sharded_root_lists_every_rank_lineage(tmp_path, capsys):
     from ray_ckpt.engine.lease import Lease, read_lease
     from ray_ckpt.storage import open_storage
     root = open_storage(str(tmp_path))
-    spec = sharded.ShardSpec(world=2, rank=0, shapes=((4,),), dims=(0,))
-    sharded.mark_world(root, spec)
-    Lease(sharded.shard_storage(root, 2, 0), run=sharded.shard_run("exp", 2, 0)).acquire()
+    spec = shard_layout.ShardSpec(world=2, rank=0, shapes=((4,),), dims=(0,))
+    shard_layout.mark_world(root, spec)
+    Lease(shard_layout.shard_storage(root, 2, 0), run=shard_layout.shard_run("exp", 2, 0)).acquire()
     capsys.readouterr()
     assert cli_main(["lease", str(tmp_path)]) == 0
     text = capsys.readouterr().out
@@ -158,7 +158,7 @@ def test_cli_lease_of_a_sharded_root_lists_every_rank_lineage(tmp_path, capsys):
     assert cli_main(["lease", str(tmp_path), "--json", "--release"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [(s["world"], s["rank"], s["lease"] is not None) for s in got["shards"]] == [(2, 0, True), (2, 1, False)]
-    assert got["lease"] is None and read_lease(sharded.shard_storage(root, 2, 0)) is None
+    assert got["lease"] is None and read_lease(shard_layout.shard_storage(root, 2, 0)) is None
 
 
 def test_lineage_host_routes_opens_and_answers_for_absent_lineages():
@@ -186,14 +186,14 @@ def test_lineage_host_routes_opens_and_answers_for_absent_lineages():
             return Lin(run)
 
     h = Host()
-    r0, r1 = sharded.shard_run("exp", 2, 0), sharded.shard_run("exp", 2, 1)
+    r0, r1 = shard_layout.shard_run("exp", 2, 0), shard_layout.shard_run("exp", 2, 1)
     assert h.lineage_call(r0, "submit", (5,), {"y": 1}) == 1 and h.lineage_call(r0, "submit", (6,)) == 2
     assert h.lineages() == [r0] and h._lineages[r0].calls == [(5, 1), (6, 0)]
     assert h.lineage_call(r1, "inventory") == [] and h.lineages() == [r0]    # answered, not opened
     with pytest.raises(lineages.UnknownLineage):
         h.lineage_call(r1, "calls")
     with pytest.raises(lineages.UnknownLineage, match="not of job"):
-        h.lineage_call(sharded.shard_run("exp2", 2, 0), "submit", (1,))
+        h.lineage_call(shard_layout.shard_run("exp2", 2, 0), "submit", (1,))
     with pytest.raises(ValueError, match="not the name of a shard run"):
         h.lineage_call("exp:shard-x", "submit", (1,))
     assert h.drop_lineage(r0) and h.lineages() == []

@@ -14,7 +14,7 @@ import torch
 
 import ray_ckpt
 
-from ray_ckpt.engine import sharded
+from ray_ckpt.engine import consolidate, shard_layout
 from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.coordinator import shard_runs, shutdown_job
 from ray_ckpt.storage import open_storage
@@ -30,23 +30,23 @@ def test_fsdp2_shard_runs_restore_from_their_replicas(tmp_path, ray_cluster):  #
     # one coordinator for the job tracks both shard lineages; each shard's replica runs on the peer of the
     # trainer's node, in the one replica host of that node
     me = ray.get_runtime_context().get_node_id()
-    assert shard_runs(run) == [sharded.shard_run(run, 2, r) for r in range(2)]
+    assert shard_runs(run) == [shard_layout.shard_run(run, 2, r) for r in range(2)]
     hosts = set()
     for rank in range(2):
-        shard = sharded.shard_run(run, 2, rank)
+        shard = shard_layout.shard_run(run, 2, rank)
         ray.get(lineages.coordinator(shard).status.remote())
         replica = lineages.replica(shard)
         assert ray.get(replica.ping.remote()) != me
         hosts.add(replica.host)
     assert len(hosts) == 1
-    assert sharded.saved_worlds(open_storage(uri)) == [2]
+    assert shard_layout.saved_worlds(open_storage(uri)) == [2]
     # 2 -> 1: both saved shards come from their replicas, resharded
     T.spawn(W.ray_restore_at_world, args=(1, T.free_port(), uri, out, ray_cluster.address, run), nprocs=1)
     # consolidated in this process (no process group) into the unsharded model, through the shard runs
     _consolidate_through_the_shard_runs(uri, out, run)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     assert naming.shard_runs(run, names) == []    # no actors per shard run: the job's hosts serve them
-    assert shard_runs(run) == [sharded.shard_run(run, 2, r) for r in range(2)]
+    assert shard_runs(run) == [shard_layout.shard_run(run, 2, r) for r in range(2)]
     shutdown_job(run)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     assert lineages.host_names(run, names) == []
@@ -65,6 +65,6 @@ def _consolidate_through_the_shard_runs(uri, out, run):
     tier = ShardedMemoryTier(run)
     model = T.make_model(W.KIND, 98)
     opt = T.make_optimizer("adamw", model)
-    assert sharded.restore_consolidated(open_storage(uri), model, opt, memory=tier) == W.STEPS
+    assert consolidate.restore_consolidated(open_storage(uri), model, opt, memory=tier) == W.STEPS
     assert tier.tiers["replica"] + tier.tiers["memory"] >= 2, tier.tiers     # each shard through its run
     T.assert_same(glob[W.STEPS]["model"], dict(model.state_dict()), "consolidated from the replicas")

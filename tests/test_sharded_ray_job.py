@@ -16,7 +16,7 @@ import ray
 import torch
 
 import ray_ckpt
-from ray_ckpt.engine import sharded
+from ray_ckpt.engine import consolidate, shard_layout
 from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.trainer.client import ShardedMemoryTier
 from ray_ckpt.runtime.coordinator import shard_runs, shutdown_job
@@ -77,7 +77,7 @@ def test_sharded_job_actors_are_per_node(tmp_path, ray_cluster, hsdp):  # noqa: 
     assert kinds == {"coordinator": 1, "worker": 2, "replica": 1 if hsdp else 2}, mine
     assert mine == lineages.host_names(run, mine)
     world = 2 if hsdp else WORLD    # the shard lineages: one per coordinate of the sharding mesh dimension
-    shards = [sharded.shard_run(run, world, r) for r in range(world)]
+    shards = [shard_layout.shard_run(run, world, r) for r in range(world)]
     assert shard_runs(run) == shards     # the one coordinator tracks every rank's lineage
     for name in mine:
         host = ray.get_actor(name, namespace=naming.NAMESPACE)
@@ -101,7 +101,7 @@ def test_sharded_job_actors_are_per_node(tmp_path, ray_cluster, hsdp):  # noqa: 
     opt = T.make_optimizer("adamw", model)
     tier = ShardedMemoryTier(run)
     from ray_ckpt.storage import open_storage
-    assert sharded.restore_consolidated(open_storage(uri), model, opt, memory=tier) == STEPS
+    assert consolidate.restore_consolidated(open_storage(uri), model, opt, memory=tier) == STEPS
     assert tier.tiers["memory"] + tier.tiers["replica"] >= world, tier.tiers
     T.assert_same(glob["model"], dict(model.state_dict()), "consolidated model")
     T.assert_same(glob["opt"], opt.state_dict()["state"], "consolidated optimizer")

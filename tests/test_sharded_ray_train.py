@@ -11,7 +11,7 @@ import ray
 import torch
 
 import ray_ckpt.train
-from ray_ckpt.engine import sharded
+from ray_ckpt.engine import shard_layout
 from ray_ckpt.runtime import lineages, naming
 from tests import _fsdp_worker as W, _training as T
 from tests._train_fn import fsdp_loop
@@ -60,7 +60,7 @@ def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):
     assert [d["step"] for d in finals] == [W.STEPS]
     # runtime="ray": every shard lineage was checkpointed through a shard run of the job's one coordinator (and
     # its node hosts), whose actors the callback stopped when the run finished
-    assert finals[0]["shard_runs"] == [sharded.shard_run(name, 2, r) for r in range(2)], finals[0]["shard_runs"]
+    assert finals[0]["shard_runs"] == [shard_layout.shard_run(name, 2, r) for r in range(2)], finals[0]["shard_runs"]
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     assert naming.shard_runs(name, names) == [] and lineages.host_names(name, names) == []
     T.assert_same(reference[W.STEPS], finals[0]["state"], "final state after the restart")

@@ -36,7 +36,7 @@ import time
 from ray_ckpt.engine import amber_tier
 from ray_ckpt.engine import export as _export
 from ray_ckpt.engine import gc as _gc
-from ray_ckpt.engine import sharded
+from ray_ckpt.engine import consolidate, shard_chains, shard_layout
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.engine.restore import read_object
 from ray_ckpt.engine.strategy import impl_by_name
@@ -84,11 +84,11 @@ def _human(n: float) -> str:
 def _sharded_summary(storage) -> list[dict]:
     """Per saved world size of sharded (FSDP2) state: the step complete on every rank and each rank's head."""
     out = []
-    for world in sharded.saved_worlds(storage):
-        lins = [load_lineage(sharded.shard_storage(storage, world, r), strict=False)[0] for r in range(world)]
-        out.append({"world": world, "latest": sharded.agreed_step(lins, None),
+    for world in shard_layout.saved_worlds(storage):
+        lins = [load_lineage(shard_layout.shard_storage(storage, world, r), strict=False)[0] for r in range(world)]
+        out.append({"world": world, "latest": shard_chains.agreed_step(lins, None),
                     "ranks": [{"rank": r, "head": lin.head(),
-                               "uri": sharded.shard_storage(storage, world, r).uri}
+                               "uri": shard_layout.shard_storage(storage, world, r).uri}
                               for r, lin in enumerate(lins)]})
     return out
 
@@ -179,7 +179,7 @@ def cmd_ls(storage, args) -> int:
 
 
 def cmd_inspect(storage, args) -> int:
-    if sharded.consolidates(storage):
+    if consolidate.consolidates(storage):
         return _inspect_sharded(storage, args)
     lineage, _ = load_lineage(storage, strict=False)
     if args.plot:
@@ -224,16 +224,16 @@ def cmd_inspect(storage, args) -> int:
 def _inspect_sharded(storage, args) -> int:
     """``inspect`` of a sharded root: the step a restore or export gathers and what each rank's lineage reads."""
     try:
-        world, steps = sharded.choose_world(storage, args.step, strict=False)
+        world, steps = shard_chains.choose_world(storage, args.step, strict=False)
     except NoCheckpointError as e:
         print(f"ray-ckpt: {e}", file=sys.stderr)
         return 1
     step = steps[0]
     ranks = []
     for r in range(world):
-        lin, _ = load_lineage(sharded.shard_storage(storage, world, r), strict=False)
+        lin, _ = load_lineage(shard_layout.shard_storage(storage, world, r), strict=False)
         plan = lin.resolve(step)
-        prefix = sharded.shard_prefix(world, r)
+        prefix = shard_layout.shard_prefix(world, r)
         ranks.append({"rank": r, "generation": plan.generation,
                       "read": [{"object": prefix + m.object, "kind": m.kind, "steps": [m.first_step, m.last_step],
                                 "bytes": m.nbytes, "strategy": m.strategy} for m in plan.objects]})
@@ -241,7 +241,7 @@ def _inspect_sharded(storage, args) -> int:
     out = {"step": step, "sharded": True, "world": world, "tier": "exact", "bytes": nbytes, "ranks": ranks}
     if args.plot:
         print(f"ray-ckpt: --plot draws one lineage: give it a rank's, e.g. "
-              f"{sharded.shard_storage(storage, world, 0).uri}", file=sys.stderr)
+              f"{shard_layout.shard_storage(storage, world, 0).uri}", file=sys.stderr)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -260,9 +260,9 @@ def _lineages(storage) -> tuple[list[tuple], list[str]]:
     sizes and ranks), each listed in full; and the keys of malformed manifests."""
     lineage, bad = load_lineage(storage, strict=False, use_index=False)
     parts = [(storage, "", lineage)]
-    for world in sharded.saved_worlds(storage):
+    for world in shard_layout.saved_worlds(storage):
         for r in range(world):
-            st, prefix = sharded.shard_storage(storage, world, r), sharded.shard_prefix(world, r)
+            st, prefix = shard_layout.shard_storage(storage, world, r), shard_layout.shard_prefix(world, r)
             lin, b = load_lineage(st, strict=False, use_index=False)
             parts.append((st, prefix, lin))
             bad += [prefix + k for k in b]
@@ -382,7 +382,7 @@ def cmd_gc(storage, args) -> int:
     try:
         res = _gc.collect(storage, args.keep_fulls, dry_run=args.dry_run, progress=progress)
         # sharded state: every rank's lineage, no rank collecting a step its world still needs
-        shards = sharded.collect_sharded(storage, args.keep_fulls, dry_run=args.dry_run)
+        shards = shard_chains.collect_sharded(storage, args.keep_fulls, dry_run=args.dry_run)
     except ValueError as e:
         print(f"ray-ckpt: {e}", file=sys.stderr)
         return 2
@@ -392,7 +392,7 @@ def cmd_gc(storage, args) -> int:
     objects = _gc_objects(res)
     count, nbytes, kept_from = res.count, res.nbytes, res.kept_from_step
     for world, rank, _, sres in shards:
-        objects += _gc_objects(sres, sharded.shard_prefix(world, rank))
+        objects += _gc_objects(sres, shard_layout.shard_prefix(world, rank))
         count, nbytes = count + sres.count, nbytes + sres.nbytes
         if kept_from is None or (sres.kept_from_step is not None and sres.kept_from_step < kept_from):
             kept_from = sres.kept_from_step   # a sharded root: the oldest step a rank keeps
@@ -422,7 +422,8 @@ def cmd_lease(storage, args) -> int:
     from ray_ckpt.lineage.layout import LEASE_KEY
     rec = read_lease(storage)
     # a sharded root: every rank lineage of every saved world size has a lease of its own
-    shards = [(w, r, sharded.shard_storage(storage, w, r)) for w in sharded.saved_worlds(storage) for r in range(w)]
+    shards = [(w, r, shard_layout.shard_storage(storage, w, r))
+              for w in shard_layout.saved_worlds(storage) for r in range(w)]
     held = [(st, read_lease(st)) for _, _, st in shards]
     if args.json:
         print(json.dumps({"lease": rec, "shards": [{"world": w, "rank": r, "lease": lease}

@@ -305,7 +305,8 @@ class CaptureBase:
         self.full_snapshots = 0           # fulls snapshotted on the training thread (attach included)
         self.fingerprint_every = fingerprint_every
         self._layout: dict | None | bool = False   # False: not computed yet
-        #: FSDP2: this rank's shard (:func:`ray_ckpt.engine.sharded.sharding_info`), recorded in every full's layout
+        #: FSDP2: this rank's shard (:func:`ray_ckpt.engine.shard_layout.sharding_info`), recorded in every full's
+        #: layout
         self.sharding: dict | None = None
         self.last_snapshot_seconds: float | None = None  # training-thread time of the latest full snapshot
         #: the overhead budget's measurements (:class:`ray_ckpt.policy.budget.StepMeter`), set by the Checkpointer

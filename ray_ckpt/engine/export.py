@@ -22,7 +22,7 @@ Every format also writes ``ray_ckpt_export.json`` (source, step, generation, str
 directory is written under a temporary name and renamed into place: a crash never leaves a partial export.
 
 The root of sharded (FSDP2) state exports the unsharded state: every saved rank's shards of the step gathered
-(:func:`ray_ckpt.engine.sharded.gather_sharded`; the files are those of an unsharded run, and
+(:func:`ray_ckpt.engine.consolidate.gather_sharded`; the files are those of an unsharded run, and
 ``ray_ckpt_export.json`` adds ``consolidated_from_world``). One rank's shard lineage (``<root>/shards/...``) is
 refused: it is not a whole model.
 
@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from ray_ckpt.engine import sharded
+from ray_ckpt.engine import consolidate, shard_layout
 from ray_ckpt.engine.loopstate import apply_loop
 from ray_ckpt.engine.optim_layout import ShadowError
 from ray_ckpt.engine.restore import replay, resolve_and_load
@@ -91,11 +91,11 @@ class Materialized:
 def materialize(storage, step: int | None = None, *, fallback: bool = False,
                 progress: Progress | None = None) -> Materialized:
     """Resolve ``step`` (None = latest), read and verify its objects, rebuild and replay. Calling process."""
-    if sharded.consolidates(storage):   # the root of sharded (FSDP2) state: every rank's shards gathered
+    if consolidate.consolidates(storage):   # the root of sharded (FSDP2) state: every rank's shards gathered
         return _materialize_sharded(storage, step, fallback, progress)
     chain = _load(storage, step, fallback, progress)
     full = chain.full
-    own = sharded.shard_of(full.layout)
+    own = shard_layout.shard_of(full.layout)
     if own is not None:
         raise ExportError(f"{storage.describe()} is the shard lineage of rank {own.get('rank')} of {own.get('world')} "
                           f"(FSDP2), not a whole model: export the root (the URI above shards/), which gathers every "
@@ -133,9 +133,9 @@ def materialize(storage, step: int | None = None, *, fallback: bool = False,
 
 def _materialize_sharded(storage, step, fallback, progress) -> Materialized:
     """:func:`materialize` of a sharded root: the saved shards of the step gathered
-    (:func:`ray_ckpt.engine.sharded.gather_sharded`), on the CPU."""
+    (:func:`ray_ckpt.engine.consolidate.gather_sharded`), on the CPU."""
     try:
-        g = sharded.gather_sharded(storage, step, fallback=fallback, progress=progress)
+        g = consolidate.gather_sharded(storage, step, fallback=fallback, progress=progress)
     except ShadowError as e:
         raise ExportError(str(e)) from e
     return Materialized(step=g.step, generation=g.generation, strategy="lowdiff", model=g.model,

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from ray_ckpt.engine import sharded as _sharded
+from ray_ckpt.engine import shard_layout
 
 
-def check_params(optimizer: torch.optim.Optimizer) -> "_sharded.ShardSpec | None":
+def check_params(optimizer: torch.optim.Optimizer) -> "shard_layout.ShardSpec | None":
     """The sharding of the optimizer's parameters (FSDP2 DTensor shards), None for plain tensors (replicated
     state, as with DDP); refuses, at attach/restore, other tensor subclasses and unsupported sharding, which
     would fail later in a background thread with a less clear error. Training process."""
-    spec = _sharded.spec_of(optimizer)
+    spec = shard_layout.spec_of(optimizer)
     if spec is not None:
         return spec
     for group in optimizer.param_groups:

@@ -47,7 +47,7 @@ DRAINS_DIR = "drains/"
 #: the description file in an export directory (:mod:`ray_ckpt.engine.export`; not a key under the root)
 INFO_FILE = "ray_ckpt_export.json"
 #: between a run's name and ``w<world>-r<rank>`` in the name of a shard run (the Ray runtime's run of one shard
-#: lineage, see :func:`ray_ckpt.engine.sharded.shard_run`; a name of actors, not a key under the root)
+#: lineage, see :func:`ray_ckpt.engine.shard_layout.shard_run`; a name of actors, not a key under the root)
 SHARD_RUN_TAG = ":shard-"
 
 _NAME_RE = re.compile(r"^g(\d{6})-(full-(\d{12})|diff-(\d{12})-(\d{12}))$")

@@ -1,7 +1,7 @@
 """One set of Ray actors per job for sharded state: the job's shard lineages share them.
 
 Sharded (FSDP2) state checkpoints one lineage per rank (:mod:`ray_ckpt.engine.sharded`); with ``runtime="ray"``
-each lineage is a *shard run* named ``<job>:shard-w<world>-r<rank>`` (:func:`ray_ckpt.engine.sharded.shard_run`).
+each lineage is a *shard run* named ``<job>:shard-w<world>-r<rank>`` (:func:`ray_ckpt.engine.shard_layout.shard_run`).
 A shard run has no actors of its own. Its job's actors host it, one of each per job or per node:
 
 * one **coordinator host** per job (``ray_ckpt:<job>:shards:coordinator``) holds one
@@ -65,7 +65,7 @@ def shard_of(run: str) -> tuple[int, int]:
 
 def shard_prefix(run: str) -> str:
     """The storage prefix of a shard run's lineage below its job's root (as
-    :func:`ray_ckpt.engine.sharded.shard_prefix`, which the tests compare with this)."""
+    :func:`ray_ckpt.engine.shard_layout.shard_prefix`, which the tests compare with this)."""
     world, rank = shard_of(run)
     return f"{SHARDS_DIR}w{world:05d}/r{rank:05d}/"
 

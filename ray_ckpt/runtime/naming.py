@@ -40,7 +40,7 @@ def replica_name(run: str) -> str:
 
 def shard_runs(run: str, actor_names) -> list[str]:
     """The shard runs of ``run`` (sharded FSDP2 state with runtime='ray', named by
-    :func:`ray_ckpt.engine.sharded.shard_run`) that have actors of their own among ``actor_names`` (e.g. from
+    :func:`ray_ckpt.engine.shard_layout.shard_run`) that have actors of their own among ``actor_names`` (e.g. from
     ``ray.util.list_named_actors``), sorted: the per-rank actors of earlier versions (the shard runs of a job are
     served by its hosts now: :func:`ray_ckpt.runtime.coordinator.shard_runs` lists them)."""
     head = f"ray_ckpt:{run}{SHARD_RUN_TAG}"

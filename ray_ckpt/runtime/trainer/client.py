@@ -53,7 +53,7 @@ def shard_lineage_run(root, run: str | None, world: int, rank: int) -> str:
     """The shard run of rank ``rank`` of ``world`` of the sharded job at storage root ``root`` (named ``run``,
     or after the root): what its Checkpointer attaches to and restores read through (the job's hosts,
     :mod:`ray_ckpt.runtime.lineages`). Any process."""
-    from ray_ckpt.engine.sharded import shard_run
+    from ray_ckpt.engine.shard_layout import shard_run
     return shard_run(run_name(root, run), world, rank)
 
 
@@ -364,7 +364,7 @@ class ShardedMemoryTier:
         self.tiers = {"memory": 0, "durable": 0, "replica": 0, "replayed": 0}
 
     def _coordinators(self, storage, world: int) -> list | None:
-        from ray_ckpt.engine.sharded import shard_storage
+        from ray_ckpt.engine.shard_layout import shard_storage
         out = []
         for rank in range(world):
             c = coordinator(shard_storage(storage, world, rank), shard_lineage_run(storage, self.run, world, rank))
@@ -393,9 +393,10 @@ class ShardedMemoryTier:
         return agreed
 
     def choose(self, storage, step: int | None, *, fallback: bool = False) -> tuple[int, list[int]]:
-        """:func:`~ray_ckpt.engine.sharded.choose_world` with the shard runs' memory tier: a newer step that every
+        """:func:`~ray_ckpt.engine.shard_chains.choose_world` with the shard runs' memory tier: a newer step that every
         shard's coordinator plans wins over what storage holds; the storage steps stay as fallbacks."""
-        from ray_ckpt.engine.sharded import choose_world, saved_worlds
+        from ray_ckpt.engine.shard_chains import choose_world
+        from ray_ckpt.engine.shard_layout import saved_worlds
         try:
             world, steps = choose_world(storage, step, strict=not fallback, at_most=fallback)
         except NoCheckpointError:
@@ -417,7 +418,8 @@ class ShardedMemoryTier:
     def load(self, storage, world: int, rank: int, step: int) -> LoadedChain:
         """Shard ``rank`` of ``world`` at ``step``: through its run's coordinator (memory tier, replica), else
         from storage."""
-        from ray_ckpt.engine.sharded import load_shard, shard_storage
+        from ray_ckpt.engine.shard_chains import load_shard
+        from ray_ckpt.engine.shard_layout import shard_storage
         try:
             got = load_via_coordinator(shard_storage(storage, world, rank), step,
                                        run=shard_lineage_run(storage, self.run, world, rank), timeout=self.timeout)
