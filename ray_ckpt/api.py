@@ -451,7 +451,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     An unsharded ``model``/``optimizer`` (plain tensors, any device, no process group needed) restored from a
     sharded root is consolidated: the saved shards of ``step`` (None: the newest step every saved rank holds;
     ``fallback`` as above) are gathered into the full state, bitwise the run's, with rank 0's loop state (see
-    :func:`ray_ckpt.engine.sharded.restore_consolidated`).
+    :func:`ray_ckpt.engine.consolidate.restore_consolidated`).
     """
     t0 = time.perf_counter()
     rt = runtime_for(Runtime.of(runtime))
@@ -492,7 +492,7 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
 def _restore_consolidated(storage, model, optimizer, *, rt: TrainerRuntime, run: str | None, t0: float,
                           **kw) -> int:
     """:func:`restore` of an unsharded model from a sharded root (see
-    :func:`ray_ckpt.engine.sharded.restore_consolidated`); with ``runtime="ray"`` through the shard runs. Calling
+    :func:`ray_ckpt.engine.consolidate.restore_consolidated`); with ``runtime="ray"`` through the shard runs. Calling
     process."""
     memory = rt.sharded_memory(run)
     out = _consolidate.restore_consolidated(storage, model, optimizer, memory=memory, **kw)
