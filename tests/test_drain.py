@@ -55,41 +55,44 @@ def test_drain_records_roundtrip_and_describe(tmp_path):
     assert "held no step" in drains.describe(dict(rec, held=[], durable=[], peer=[]))
 
 
-def test_a_coordinator_restarted_during_a_drain_continues_its_record(tmp_path, monkeypatch):
+def test_a_coordinator_restarted_during_a_drain_continues_its_record(tmp_path):
     """One drain (a node and its deadline), one record: a coordinator that restarts while the node drains takes
     the open record from storage up again instead of writing a second one; a new drain of the node (another
-    deadline) or one after a withdrawn drain gets a record of its own. The coordinator class is driven without
-    Ray (its Ray calls are stand-ins here; the Ray tests below drain real nodes)."""
-    from ray_ckpt.runtime import coordinator as coord_mod
+    deadline) or one after a withdrawn drain gets a record of its own. The coordinator's drains part is driven
+    without Ray (its cluster calls are stand-ins here; the Ray tests below drain real nodes)."""
+    from ray_ckpt.runtime.coordination.drains import Drains
+    from ray_ckpt.runtime.coordination.state import LineageState, RunRef
     storage = open_storage(str(tmp_path / "ckpt"))
     node, deadline = "ab" * 28, 1_800_000_004_000
-    monkeypatch.setattr(coord_mod.drain_watch, "worker_handle", lambda run, n: None)
+    told = []
 
     def fresh():   # what a (re)started coordinator holds of the drains before the first poll
-        c = object.__new__(coord_mod.Coordinator)
-        c.run, c.storage, c.drains, c._draining, c._last_generation, c.entries = "r", storage, {}, {}, 1, {}
-        c._alive_nodes = lambda max_age=0.0: {node}
-        c._move_replica = c.drain_progress = lambda: False
-        return c
+        state = LineageState(RunRef("r", storage), alive=lambda max_age=0.0: {node})
+        state.last_generation = 1
+        d = Drains(state, alive=lambda: {node}, notify=told.append, move_replica=lambda draining: None,
+                   forget_dead=lambda: None)
+        d.progress = lambda: False
+        return d
 
     first = fresh()
-    first.drains_changed({node: deadline})
-    first.drains[node].update(status="safe", held=[[3, 9]], durable=[[3, 9]])
-    first._write_drain(first.drains[node])
+    first.changed({node: deadline})
+    first.records[node].update(status="safe", held=[[3, 9]], durable=[[3, 9]])
+    first.write(first.records[node])
     assert len(drains.read_records(storage)) == 1
     time.sleep(0.01)                     # a later notice would get a later key
     again = fresh()                      # the coordinator restarted; the node still drains
-    again.drains_changed({node: deadline})
+    again.changed({node: deadline})
     recs = drains.read_records(storage)
-    assert len(recs) == 1 and again.drains[node]["noticed_ms"] == recs[0]["noticed_ms"]
-    assert again.drains[node]["held"] == [[3, 9]] and again.drains[node]["status"] == "safe"
+    assert len(recs) == 1 and again.records[node]["noticed_ms"] == recs[0]["noticed_ms"]
+    assert again.records[node]["held"] == [[3, 9]] and again.records[node]["status"] == "safe"
     other = fresh()                      # the same node drained again with another deadline: another drain
-    other.drains_changed({node: deadline + 60_000})
+    other.changed({node: deadline + 60_000})
     assert len(drains.read_records(storage)) == 2
     assert drains.find_open(storage, node, deadline)["held"] == [[3, 9]]
     assert drains.find_open(storage, "cd" * 28, deadline) is None
-    again.drains_changed({})             # withdrawn: the record is closed, a later drain is a new one
+    again.changed({})                    # withdrawn: the record is closed, a later drain is a new one
     assert drains.find_open(storage, node, deadline) is None
+    assert told == [{node: deadline}, {node: deadline}, {node: deadline + 60_000}]   # the workers heard of each
 
 
 def test_a_notice_makes_the_local_writer_write_every_step_and_wait_near_the_deadline(tmp_path):

@@ -7,7 +7,6 @@ import importlib
 import inspect
 import logging
 import pkgutil
-import types
 
 import pytest
 
@@ -89,26 +88,27 @@ def test_storage_faults_while_renewing_the_lease_are_storage_errors(tmp_path, mo
 
 
 def test_the_coordinator_logs_a_failed_renewal_as_a_storage_error_and_retries(tmp_path, caplog):
-    """The renewal of :meth:`Coordinator.renew_lease` on a stand-in for the actor (no Ray): a storage error is
-    logged as one (WARNING once, then INFO), never as an AttributeError, and the lease is not declared lost."""
-    from ray_ckpt.runtime.coordinator import Coordinator
+    """The coordinator's lease renewal (:class:`~ray_ckpt.runtime.coordination.reporting.LeaseKeeper`, no Ray): a
+    storage error is logged as one (WARNING once, then INFO), never as an AttributeError, and the lease is not
+    declared lost."""
+    from ray_ckpt.runtime.coordination.reporting import LeaseKeeper
     storage = _Outage(open_storage(str(tmp_path / "ckpt")), "none")
-    me = types.SimpleNamespace(lease=Lease(storage, run="r"), lease_lost=None, _lease_failing=False)
-    me.lease.acquire()
-    me.lease._renewed = -1e9   # due: each renewal reads and writes
+    keeper = LeaseKeeper(Lease(storage, run="r"))
+    keeper.lease.acquire()
+    keeper.lease._renewed = -1e9   # due: each renewal reads and writes
     storage.down = True
     with caplog.at_level(logging.INFO, logger="ray_ckpt"):
-        Coordinator.renew_lease(me)
-        Coordinator.renew_lease(me)
-    assert me.lease_lost is None
+        keeper.renew()
+        keeper.renew()
+    assert keeper.lost is None
     failed = [r for r in caplog.records if "renewing the writer lease" in r.getMessage()]
     assert [r.levelno for r in failed] == [logging.WARNING, logging.INFO], caplog.text
     assert "AttributeError" not in caplog.text and "NoneType" not in caplog.text
     storage.down = False
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ray_ckpt"):
-        Coordinator.renew_lease(me)
-    assert "renewed again" in caplog.text and not me._lease_failing
+        keeper.renew()
+    assert "renewed again" in caplog.text and not keeper._failing
 
 
 def test_an_s3_timeout_without_a_response_is_a_storage_error():

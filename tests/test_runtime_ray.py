@@ -534,8 +534,9 @@ def test_a_long_runs_figures_stay_exact_and_periodic_callers_reuse_their_view(
     assert memory[0] == [1, 149] and [69_901, 70_000] in memory and [70_051, 70_199] in memory
     assert not any(lo <= 70_005 <= hi for lo, hi in memory + durable)   # the lost chunk, until the next full
 
-    monkeypatch.setattr(C, "CHEAP_S", 0.0)             # any view counts as expensive ...
-    monkeypatch.setattr(C, "COST_FACTOR", 1e9)         # ... and stays valid for this test
+    from ray_ckpt.runtime.coordination import state as views   # where the views are built and cached
+    monkeypatch.setattr(views, "CHEAP_S", 0.0)         # any view counts as expensive ...
+    monkeypatch.setattr(views, "COST_FACTOR", 1e9)     # ... and stays valid for this test
     assert coord.status(max_age=1.0)["recoverable_step"] == 200_000   # builds the periodic view
     feed(20_000, 20_009)
     periodic, fresh = coord.status(max_age=1.0), coord.status()

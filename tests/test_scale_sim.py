@@ -170,7 +170,7 @@ def test_a_first_incarnation_is_not_healed_unless_its_node_held_something(ray_cl
     coord.sim_join(nodes)
     _play(coord, job, rounds=2, pack=True)
     healed = []
-    monkeypatch.setattr(coord, "_heal", healed.append)
+    monkeypatch.setattr(coord.healing, "heal", healed.append)
     new = node_ids(1, tag="f")[0]
     coord.sim_join([new])
     coord.update(new, [("started", new, True)])     # a new node's first worker: nothing to heal or re-read

@@ -100,7 +100,7 @@ class RayCkptCallback(ControllerCallback, WorkerGroupCallback):
         claim_run(storage, run, adopt=self.adopt)
         coord = get_or_create_coordinator(run, storage, config=self.config, takeover=self.adopt)
         # an existing coordinator (a restarted driver of a run kept alive) takes this callback's explicit knobs too
-        ray.get([coord.set_storage.remote(storage), coord.adopt_config.remote(self.config.explicit)])
+        ray.get([coord.set_storage.remote(storage), coord.run_config.remote(self.config.explicit)])
         log.info("ray_ckpt: run %r checkpoints to %s", run, storage.describe())
 
     def before_controller_execute_failure_decision(self, failure_decision) -> None:

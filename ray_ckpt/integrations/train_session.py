@@ -238,7 +238,7 @@ def run_config(run: str, storage, config: CheckpointConfig | None, overrides: di
     (give those to the callback). Training worker."""
     mine = CheckpointConfig.resolve(config, **overrides)   # an unknown knob fails here, before any actor starts
     coord = get_or_create_coordinator(run, storage, config=mine)
-    policy, run_cfg = ray.get([coord.get_policy.remote(), coord.get_config.remote()])
+    policy, run_cfg = ray.get([coord.get_policy.remote(), coord.run_config.remote()])
     return CheckpointConfig.resolve(mine, base=run_cfg.explicit, full_every=policy.full_every,
                                     batch_steps=policy.batch_steps)
 

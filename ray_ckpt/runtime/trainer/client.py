@@ -61,7 +61,7 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict, takeover:
     """``(run, generation, policy, sink)`` for a Checkpointer attaching with runtime='ray'. With
     ``config.replica`` and a LowDiff strategy, the run's state-tier replica is created (on the next node in
     ring order, this one on a one-node cluster) before the attach full is handed over, so it starts from it.
-    The fields ``config`` gives explicitly become the run's (:meth:`~ray_ckpt.runtime.coordinator.Coordinator.adopt_config`). Training
+    The fields ``config`` gives explicitly become the run's (:meth:`~ray_ckpt.runtime.coordinator.Coordinator.run_config`). Training
     process."""
     _require_ray()
     clock = PhaseClock()
@@ -69,7 +69,7 @@ def attach_sink(storage, impl, *, run: str | None, config, info: dict, takeover:
     coord = get_or_create_coordinator(run, storage, config=config, takeover=takeover)
     # this trainer's explicit knobs (keep_fulls, ...) win over those the run's coordinator was created with
     generation, policy, _ = ray.get([coord.new_generation.remote(), coord.get_policy.remote(),
-                                     coord.adopt_config.remote(config.explicit)])
+                                     coord.run_config.remote(config.explicit)])
     clock.mark("coordinator")
     # this node's persistence worker starts now, its process in parallel with the replica's (RaySink finds it
     # by name and waits for it); each actor start is a new process that imports its modules (seconds)

@@ -1,0 +1,124 @@
+"""RestorePlanner: the recovery plan for a step — the chain of objects to read, in order, and for each the object
+references of its live holders (memory tier; none: read it from storage).
+
+The chain starts from the newest full that reaches the step; a chain held wholly in memory is preferred among
+equally short ones, and every held object is read from memory. When the state-tier replica is usable and its
+state lies in the plan's chain, the plan names the replica's step: the restore then reads only the records after
+it.
+
+Runs in the coordinator actor's thread; no Ray: alive nodes and the holders' references come from callables the
+coordinator passes in (``holder_refs`` is the coordinator's own method, which the scale benchmark's subclass
+answers for its simulated nodes); tests pass stand-ins.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ray_ckpt.lineage import NoCheckpointError
+from ray_ckpt.runtime.coordination.healing import Healing
+from ray_ckpt.runtime.coordination.replicas import ReplicaHealth
+from ray_ckpt.runtime.coordination.state import LineageState
+
+#: how long a restore plan waits for the holders' object references (then once more, this long, for objects
+#: held only in memory): held reports carry none (see RestorePlanner.refs)
+PLAN_REFS_TIMEOUT_S = 5.0
+PLAN_REFS_PATIENCE_S = 20.0
+
+
+class RestorePlanner:
+    """Plans restores of one run's lineage. Coordinator actor thread.
+
+    ``alive()`` is the set of alive nodes (asked afresh); ``holder_refs(ask, timeout)`` answers
+    ``{node: {name: [ref]}}`` for ``ask`` = ``{node: [names]}``."""
+
+    def __init__(self, state: LineageState, healing: Healing, replica: ReplicaHealth,
+                 alive: Callable[[], set], holder_refs: Callable[..., dict]):
+        self.state = state
+        self.healing = healing
+        self.replica = replica
+        self.alive = alive
+        self.holder_refs = holder_refs
+
+    def plan(self, step: int | None = None, at_or_before: bool = False) -> dict:
+        """The recovery plan for ``step`` (None = latest recoverable; ``at_or_before``: the newest recoverable
+        step at or before ``step``): ``{"step", "generation", "objects": [{"manifest", "durable", "refs"}],
+        "replica"?}``, or ``{"error": why}``. Dead nodes are forgotten (and healed) first; a step not found is
+        looked for again after reading storage."""
+        state = self.state
+        self.healing.forget_dead_nodes()
+        if at_or_before and step is not None:
+            found = state.lineage().latest_at_or_before(step)
+            if found is None:
+                state.refresh_durable()
+                found = state.lineage().latest_at_or_before(step)
+            if found is None:
+                return {"error": f"no step at or before {step} is recoverable on the current timeline"}
+            step = found
+        alive = self.alive()
+        try:
+            p = self.choose(state.held_lineage(alive), step)
+        except NoCheckpointError as err:
+            return {"error": str(err)}
+        refs = self.refs([state.entries[m.name] for m in p.objects], alive)
+        out = {"step": p.step, "generation": p.generation,
+               "objects": [{"manifest": m.to_json(), "durable": state.entries[m.name].durable,
+                            "refs": refs.get(m.name, [])} for m in p.objects]}
+        self.replica.known()
+        if self.replica.usable(p.generation, self.alive, lambda: state.lineage().head()):
+            at = self.replica.in_chain(p.full.last_step, p.step)
+            if at is not None:
+                out["replica"] = at
+        return out
+
+    def choose(self, memory, step: int | None):
+        """The chain to ``step``: over everything held or durable, or over ``memory`` (the objects held on a live
+        node) when that chain starts from a full as new as the best chain's (no more records to replay). A newer
+        full that is only durable (the replica writes its fulls straight to storage) wins over a longer memory
+        chain: one read of a full costs less than replaying the steps between them. Raises
+        :class:`NoCheckpointError` when no chain reaches ``step`` (storage read once more first)."""
+        try:
+            mem_plan = memory.resolve(step)
+        except NoCheckpointError:
+            mem_plan = None
+        try:
+            p = self.state.lineage().resolve(step)
+        except NoCheckpointError:
+            self.state.refresh_durable()
+            p = self.state.lineage().resolve(step)
+        if (mem_plan is not None and mem_plan.step == p.step and mem_plan.generation == p.generation
+                and mem_plan.full.last_step >= p.full.last_step):
+            return mem_plan
+        return p
+
+    def refs(self, entries: list, alive: set[str]) -> dict:
+        """``{name: [ObjectRef, ...]}``: for each of ``entries`` one reference per live holder. ``held`` reports
+        carry none (a reference in every report cost the actor Ray's borrower bookkeeping per message, plans are
+        rare): the holders are asked, one call per node; a reference that came with the entry (a rebuild's
+        inventory, a ``persist`` announcement) is used as it is."""
+        out: dict[str, list] = {}
+        ask: dict[str, list[str]] = {}
+        for e in entries:
+            name = e.manifest.name
+            for node, refs in e.holders.items():
+                if node not in alive:
+                    continue
+                if refs and refs[0] is not None:
+                    out.setdefault(name, []).append(refs[0])
+                else:
+                    ask.setdefault(node, []).append(name)
+        got = self.holder_refs(ask) if ask else {}
+        for node, names in ask.items():
+            answer = got.get(node) or {}
+            for name in names:
+                out.setdefault(name, []).extend(answer.get(name, [])[:1])
+        # an object held only in memory whose holders did not answer in time (a loaded node): ask those again,
+        # longer — storage has no copy of it to fall back to
+        late = {node: [n for n in names if n not in out or not out[n]]
+                for node, names in ask.items() if node not in got}
+        late = {node: names for node, names in late.items()
+                if any(not self.state.entries[n].durable for n in names)}
+        if late:
+            for node, answer in self.holder_refs(late, timeout=PLAN_REFS_PATIENCE_S).items():
+                for name, refs in answer.items():
+                    out.setdefault(name, []).extend(refs[:1])
+        return out
