@@ -238,6 +238,11 @@ def test_gc_keeps_the_newest_fulls_chains_and_deletes_a_late_diff_of_collected_s
     late = commit(storage, man("diff", 5, 8))              # its write was in flight during GC
     assert gc.collected_already(late) and not storage.exists(late.key)
     assert not gc.collected_already(commit(storage, man("diff", 15, 18)))   # past the kept full
+    # a copy of a collected object reported held after GC ran (a peer's copy, a hand-off in flight): stale, so the
+    # coordinator lets it go instead of adding it back (a restore of a removed step found it in memory)
+    assert gc.stale(man("full", 0, 0)) and gc.stale(man("diff", 5, 8))
+    assert not gc.stale(man("full", 10, 10)) and not gc.stale(man("diff", 11, 14))
+    assert not gc.stale(man("diff", 1, 4, gen=2))          # another generation: the next GC decides
 
 
 # -- RunClock and AdaptiveTuning -----------------------------------------------------------------------------------

@@ -171,8 +171,11 @@ class Coordinator(_Upkeep):
             if kind in ("held", "held_batch"):
                 for mjson, ref, origin in (msg[1:],) if kind == "held" else msg[1]:
                     m = state.manifest(mjson)
-                    state.add(m, node_id, [ref], False, origin)
                     watch.received(node_id, (m.name,))
+                    if self.collector.stale(m):   # GC collected its steps meanwhile: the holder lets it go
+                        self.cluster.release([node_id], [m.name])
+                    else:
+                        state.add(m, node_id, [ref], False, origin)
             elif kind == "receiving":   # hand-offs begun: their steps are in flight, not lost
                 watch.receiving(node_id, [state.manifest(m) for m in msg[1]])
             elif kind == "not_received":

@@ -65,14 +65,21 @@ class GarbageCollector:
         except Exception as e:  # noqa: BLE001 - retried at the next full
             log.warning("ray_ckpt coordinator: could not collect per-rank loop state or the Amber tier: %s", e)
 
-    def collected_already(self, m: Manifest) -> bool:
-        """A diff committed after GC dropped its steps (its write was in flight when GC ran, so GC could not
-        delete it): delete it now, or it would stay on storage until the next full's GC, forever at a run's end.
-        Only within the generation GC last ran on (a newer one may branch anywhere: the next GC decides).
-        Returns whether ``m`` was deleted (then it is not added to the state)."""
+    def stale(self, m: Manifest) -> bool:
+        """Whether ``m`` only serves steps GC already collected: before the oldest full the last GC kept, in the
+        generation it ran on, while that is still the newest (a newer one may branch anywhere: the next GC decides).
+        Such an object reported held or durable after that GC (its hand-off, peer copy or write was in flight
+        then) is let go instead of being added back: a restore of its steps would otherwise still find it in
+        memory after retention said they were removed, and its holders would keep it."""
         floor = self.floor
-        if (floor is None or m.kind == "full" or m.generation != floor[0]
-                or self.state.last_generation != floor[0] or m.last_step >= floor[1]):
+        return (floor is not None and m.generation == floor[0] and self.state.last_generation == floor[0]
+                and m.last_step < floor[1])
+
+    def collected_already(self, m: Manifest) -> bool:
+        """An object committed after GC dropped its steps (:meth:`stale`): delete it now, or it would stay on
+        storage until the next full's GC, forever at a run's end. Returns whether ``m`` was deleted (then it is
+        not added to the state)."""
+        if not self.stale(m):
             return False
         storage = self.state.run.storage
         try:
