@@ -334,8 +334,6 @@ SIZE_ALLOWED: dict[str, str] = {
     "runtime/coordinator.py": "the coordinator actor's concerns (lineage view, gaps, replica, drains, policy...) "
                               "are being moved into Ray-free objects",
     "runtime/coordinator.py:Coordinator": "as its file: a thin actor over small objects is the target",
-    "runtime/trainer/sink.py": "RaySink's sender, hand-off and control are being split out",
-    "runtime/trainer/sink.py:RaySink": "as its file",
     "engine/sharded.py": "sharded save, restore and resharding in one module: to be cut by concern",
     "integrations/compression.py": "the top-k and int8 hooks with their exchange and state: to be cut by hook",
 }

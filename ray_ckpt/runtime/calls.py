@@ -24,4 +24,9 @@ class Calls:
         return ray.get(ref, timeout=timeout)
 
 
+    def up(self) -> bool:
+        """Whether this process is connected to Ray (a call now would not start another Ray instance)."""
+        return ray.is_initialized()
+
+
 RAY = Calls()
