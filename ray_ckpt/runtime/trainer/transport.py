@@ -33,8 +33,8 @@ RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 #: its queue and stalled the training thread)
 MAX_INFLIGHT = 2
 #: encoded buffers smaller than this are laid end to end into one array before the hand-off: Ray pickles each
-#: array of an argument separately (a top-k chunk of 10 steps is ~250 small buffers: most of the worker's CPU went
-#: to that), while joining them costs one small copy; larger buffers are handed over as they are (zero-copy)
+#: array of an argument separately (a top-k chunk holds hundreds of small buffers: that pickling was most of the
+#: worker's CPU), while joining them costs one small copy; larger buffers are handed over as they are (zero-copy)
 SMALL_BUFFER = 64 << 10
 
 
