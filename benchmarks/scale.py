@@ -61,7 +61,7 @@ from ray_ckpt.runtime.worker import CONTROL_RELAY_S
 
 STEP_BASE = 10 ** 8          #: the step range of each rank's lineage (rank stream s: steps from s * STEP_BASE)
 CONTROL_S = 0.5              #: the sender's control poll (runtime/trainer/sink.py _CONTROL_S)
-BEFORE_INTERVAL_S = 0.05     #: the report interval of a worker before (runtime/worker.py _REPORT_INTERVAL_S)
+BEFORE_INTERVAL_S = 0.05     #: the report interval of a worker before (runtime/report_channel.py REPORT_INTERVAL_S)
 #: the report paths the simulated nodes can play (see the module docstring)
 MODES = ("legacy", "before", "after")
 

@@ -34,7 +34,7 @@ def test_the_sender_does_not_spin_while_a_control_answer_is_outstanding(tmp_path
     try:
         ck = ray_ckpt.Checkpointer(str(tmp_path / "ck"), model, opt, runtime="ray", run=run, replica=False)
         sink = ck._sink
-        real = sink._coordinator
+        real = sink.control.coordinator
         slow = _SlowCoordinator.remote()
         calls = [0]
         housekeeping = sink._housekeeping
@@ -45,23 +45,23 @@ def test_the_sender_does_not_spin_while_a_control_answer_is_outstanding(tmp_path
 
         with sink._cv:   # the sender waits on this condition between rounds: swap in a slow coordinator
             sink._housekeeping = counted
-            sink._coordinator, sink._relay_control = slow, False
-            sink._control_ref, sink._control_via, sink._control_t = None, None, 0.0
+            sink.control.coordinator, sink.control.relay = slow, False
+            sink.control.ref, sink.control.via, sink.control.t = None, None, 0.0
             sink._cv.notify_all()
         deadline = time.monotonic() + 10
-        while sink._control_ref is None and time.monotonic() < deadline:
+        while sink.control.ref is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert sink._control_ref is not None      # the ask went to the slow coordinator and waits for its answer
+        assert sink.control.ref is not None      # the ask went to the slow coordinator and waits for its answer
         calls[0] = 0
         time.sleep(1.0)
         rounds = calls[0]
         # at the reap cadence about 1 / _REAP_S = 20 rounds; spinning made it thousands
         assert rounds <= 4 * 1.0 / sink_mod._REAP_S, rounds
-        while not sink._control["delegate"] and time.monotonic() < deadline:
+        while not sink.control.state["delegate"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert sink._control["delegate"]          # ... and its answer was collected once it came
+        assert sink.control.state["delegate"]          # ... and its answer was collected once it came
         with sink._cv:
-            sink._coordinator, sink._control_ref = real, None
+            sink.control.coordinator, sink.control.ref = real, None
         model(torch.ones(1, 8)).sum().backward()
         opt.step()                                 # the sink still works after the answer was dropped
         ck.close()

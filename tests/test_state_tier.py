@@ -301,20 +301,20 @@ def test_a_forced_gap_is_logged_shown_and_closed_by_a_full(run_env, caplog, caps
     run, uri = run_env
     N = 300
     ref = T.reference_states(N)
-    from ray_ckpt.runtime.trainer import sink as sink_mod
-    real_send = sink_mod.RaySink._send
+    from ray_ckpt.runtime.trainer.transport import Transport
+    real_send = Transport.send
     dropped = []
 
     def lossy_send(self, c):   # a test double that loses the chunk holding step 13, for good
         m = c.manifest
         if m.kind == "diff" and m.first_step <= 13 <= m.last_step and not dropped:
             dropped.append(m.name)
-            self._unsafe.pop(m.name, None)
-            self._release(c.size)
+            self.unsafe.pop(m.name, None)
+            self.release(c.size)
             return
         return real_send(self, c)
 
-    monkeypatch.setattr(sink_mod.RaySink, "_send", lossy_send)
+    monkeypatch.setattr(Transport, "send", lossy_send)
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)

@@ -47,41 +47,26 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import ray
 
 from ray_ckpt.engine.lineage_io import unhide
 from ray_ckpt.lineage import Manifest
-from ray_ckpt.lineage.manifest import lazy_diffs
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import lineages, naming, shared
 from ray_ckpt.runtime.buffers import as_buffers
 from ray_ckpt.runtime.control_relay import CONTROL_RELAY_S, CONTROL_STALE_S, ControlRelay
 from ray_ckpt.runtime.drain import draining_nodes
-from ray_ckpt.runtime.reports import answered_interval, pack_reports  # noqa: F401 - pack_reports: re-exported
+from ray_ckpt.runtime.held_store import Held, HeldStore
+from ray_ckpt.runtime.peer_ring import PeerRing
+from ray_ckpt.runtime.report_channel import REPORT_INTERVAL_S, ReportChannel
+from ray_ckpt.runtime.reports import answered_interval, pack_reports  # noqa: F401 - re-exported (benchmarks, tests)
 from ray_ckpt.runtime.write_queue import WriteQueue, merged_manifest
 from ray_ckpt.storage.retry import RetryPolicy
 
 log = logging.getLogger("ray_ckpt")
 
-#: messages to the coordinator are sent at most this often (one call each time), so that the coordinator's view
-#: lags the workers by at most 50 ms (a restore right after a crash plans from it)
-_REPORT_INTERVAL_S = 0.05
 _RETRY_AFTER_FAILURE_S = 10.0   # a job whose write failed beyond its retry budget is tried again this much later
-_DELIVERY_WAIT_S = 30.0       # flush: how long to wait for the coordinator to apply the last report
-
-
-@dataclass
-class _Held:
-    manifest: Manifest
-    ref: ray.ObjectRef
-    nbytes: int
-    durable: bool
-    replica: bool                 #: held for another node (that node's worker persists it)
-    origin: str = ""              #: the node whose worker received it from a training process
-    peer: str | None = None       #: origin copies: the node holding our replica (once acknowledged)
-    received: float = field(default_factory=time.monotonic)
 
 
 #: the share of its node's object store a worker may fill with held chunks (the rest: chunks in flight, copies
@@ -112,6 +97,14 @@ def _fit_object_store(budget: int, node_id: str) -> int:
 
 
 class PersistenceWorker:
+    """One node's persistence worker of one run (see the module docstring): a thin actor over its parts — the held
+    store (:class:`~ray_ckpt.runtime.held_store.HeldStore`), the write queue
+    (:class:`~ray_ckpt.runtime.write_queue.WriteQueue`), the peer ring (:class:`~ray_ckpt.runtime.peer_ring.PeerRing`),
+    the report channel (:class:`~ray_ckpt.runtime.report_channel.ReportChannel`) and the control relay
+    (:class:`~ray_ckpt.runtime.control_relay.ControlRelay`), all under one condition variable. Its public methods
+    are called remotely and run on the actor's threads; two threads of its own write (writer thread) and report
+    (report thread)."""
+
     def __init__(self, run: str, storage, memory_budget: int, durable_delay: float = 2.0,
                  write_timeout: float = 300.0):
         self.run = run
@@ -122,102 +115,42 @@ class PersistenceWorker:
         self.memory_budget = _fit_object_store(memory_budget, self.node_id)
         self.incarnation = uuid.uuid4().hex
         self._cv = threading.Condition()
-        self._held: "collections.OrderedDict[str, _Held]" = collections.OrderedDict()
-        self._held_bytes = 0
+        self._store = HeldStore(self.memory_budget)  # what this node's object store holds (under _cv)
         self._queue = WriteQueue(durable_delay)       # what goes to storage next (under _cv)
         self._error: str | None = None
         self._stats = collections.Counter()
-        self._coordinator = None
-        self._reports: list = []                      # messages for the coordinator, in order
-        self._reports_sending = False                 # taken from _reports, update() not submitted yet
-        self._last_update = None                      # ObjectRef of the newest update() call
-        self._report_interval = _REPORT_INTERVAL_S    # as the coordinator asks (its answer to update())
-        self._unanswered: collections.deque = collections.deque(maxlen=64)   # update calls not answered yet
-        self._replica_calls: dict = {}                # ObjectRef of hold_replica -> (name, peer node)
-        self._newly_safe: dict[int, list[str]] = {}   # gen -> names safe since the last answer
-        self._peer_cache: tuple[float, object, str] | None = None
-        self._draining: dict[str, int] = {}           # node drains (node -> deadline ms), see drain_notice
-        self._drain_self = False                      # this node drains: write everything it received now
-        self._replica_cache: tuple[float, object] | None = None
+        self._channel = ReportChannel(self.node_id, self._cv, lambda: lineages.coordinator(run))
+        self._ring = PeerRing(
+            self.node_id, self._cv, alive=lambda: [n["NodeID"] for n in ray.nodes() if n.get("Alive")],
+            worker_of=lambda node: get_or_create_worker(run, node, storage, self.memory_budget, write_timeout),
+            # a shard run's replica: its lineage of the replica host of this (the trainer's) node
+            replica_of=lambda: lineages.replica(run, self.node_id if lineages.is_shard_run(run) else None),
+            draining=draining_nodes)
         self._relay = ControlRelay()                  # control relayed for this node's rank (under _cv)
         for target, name in ((self._write_loop, "ray_ckpt-persist"), (self._report_loop, "ray_ckpt-report")):
             threading.Thread(target=target, daemon=True, name=name).start()
         # a restarted worker lost its objects: tell the coordinator first (in order with what follows); a first
         # incarnation says so (True: it never held anything, the coordinator has nothing to heal or re-read)
-        self._report(("started", self.node_id, not _reconstructed()))
-
-    # -- helpers ---------------------------------------------------------------------------------------------
-    def _coord(self):
-        if self._coordinator is None:
-            self._coordinator = lineages.coordinator(self.run)
-        return self._coordinator
-
-    def _report(self, msg) -> None:
-        with self._cv:
-            self._reports.append(msg)
-            self._cv.notify_all()
+        self._channel.add(("started", self.node_id, not _reconstructed()))
 
     def _hold(self, m: Manifest, ref, nbytes: int, *, durable: bool, replica: bool, origin: str) -> None:
-        """Hold ``m``'s object and report it ``held``, then wait for room in the memory budget (backpressure).
-        The report is queued first, under the lock: a hold that waits for room while a later chunk passes it is
-        no hole in the coordinator's view, and nothing of it is released before its hold is reported."""
+        """Hold ``m``'s object and report it ``held``, then wait for room in the memory budget (backpressure):
+        durable objects are released oldest first; while nothing is releasable, the writer is waited for. The
+        report is queued first, under the lock: a hold that waits for room while a later chunk passes it is no
+        hole in the coordinator's view, and nothing of it is released before its hold is reported. Actor
+        thread (submit, hold_replica)."""
         with self._cv:
-            old = self._held.pop(m.name, None)
-            if old is not None:
-                self._held_bytes -= old.nbytes
-            self._held[m.name] = _Held(m, ref, nbytes, durable, replica, origin)
-            self._held_bytes += nbytes
-            self._reports.append(("held", m, None, origin))   # no object ref: a plan asks the holders
-            self._cv.notify_all()
-            self._enforce_budget_locked(wait=True)
-
-    def _enforce_budget_locked(self, wait: bool) -> None:
-        """Release durable objects oldest first; optionally wait for the writer while nothing is releasable.
-        Objects that are not durable are never released (they may be the only copy of their steps)."""
-        released = []
-        while self._held_bytes > self.memory_budget:
-            newest_full = max((h.manifest.last_step for h in self._held.values() if h.manifest.kind == "full"),
-                              default=None)
-            victim = next((n for n, h in self._held.items() if h.durable
-                           and not (h.manifest.kind == "full" and h.manifest.last_step == newest_full)), None)
-            if victim is None:
-                if not wait or self._error is not None or not self._queue.busy():
-                    break
+            self._store.put(Held(m, ref, nbytes, durable, replica, origin))
+            self._channel.add(("held", m, None, origin))   # no object ref: a plan asks the holders
+            released = self._store.release_for_budget()
+            while self._store.over_budget and self._error is None and self._queue.busy():
                 t0 = time.perf_counter()
                 self._cv.wait(0.5)
                 self._stats["stall_seconds"] += time.perf_counter() - t0
-                continue
-            h = self._held.pop(victim)
-            self._held_bytes -= h.nbytes
-            released.append(victim)
-        if released:
-            self._stats["released"] += len(released)
-            self._reports.append(("release", released))
-            self._cv.notify_all()
-
-    def _peer(self):
-        """``(handle, node_id)`` of the next alive node's worker (ring order by node id), or (None, "")."""
-        now = time.monotonic()
-        if self._peer_cache is not None and now - self._peer_cache[0] < 5.0:
-            return self._peer_cache[1], self._peer_cache[2]
-        alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        others = [n for n in alive if n > self.node_id] + [n for n in alive if n < self.node_id]
-        others = _staying(others, self._refresh_draining())
-        peer = get_or_create_worker(self.run, others[0], self.storage, self.memory_budget,
-                                    self._retry_policy.budget_s) if others else None
-        self._peer_cache = (now, peer, others[0] if others else "")
-        return peer, self._peer_cache[2]
-
-    def _replica(self):
-        now = time.monotonic()
-        if self._replica_cache is not None and now - self._replica_cache[0] < 2.0:
-            return self._replica_cache[1]
-        try:   # a shard run's replica: its lineage of the replica host of this (the trainer's) node
-            handle = lineages.replica(self.run, self.node_id if lineages.is_shard_run(self.run) else None)
-        except ValueError:
-            handle = None
-        self._replica_cache = (now, handle)
-        return handle
+                released += self._store.release_for_budget()
+            if released:
+                self._stats["released"] += len(released)
+                self._channel.add(("release", released))
 
     # -- remote API: training processes --------------------------------------------------------------------------
     def submit(self, manifest_json: bytes, buffers: list, batch_steps: int = 1, replicate: bool = True) -> dict:
@@ -227,7 +160,7 @@ class PersistenceWorker:
         Its steps are in flight from the start (``receiving``: the coordinator does not call them lost while a
         put into a full object store waits and a later chunk is held) until held (or ``not_received``)."""
         m = Manifest.from_json(manifest_json)
-        self._report(("receiving", [m]))
+        self._channel.add(("receiving", [m]))
         try:
             bufs = shared.resolve(as_buffers(buffers))   # the trainer's shared memory, read in place (copied by put)
             nbytes = sum(memoryview(b).nbytes for b in bufs)
@@ -235,18 +168,16 @@ class PersistenceWorker:
                 raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
             ref = ray.put(bufs)  # this actor owns the copy (ray.put's _owner is gone since Ray 2.56)
         except BaseException:
-            self._report(("not_received", [m.name]))
+            self._channel.add(("not_received", [m.name]))
             raise
         self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)   # reports it held
         # a coarse full (no record follows it: the overhead budget's every-k mode) is safe once written: no peer
         # copy and no state-tier replica, whose rebuild from it would serve no record (the restore reads it)
         coarse = m.kind == "full" and m.info.get("records_follow") is False
-        peer, peer_node = self._peer() if replicate and not coarse else (None, "")
+        peer, peer_node = self._ring.peer() if replicate and not coarse else (None, "")
         if peer is not None:
-            call = peer.hold_replica.remote(m.to_json(), [ref], self.node_id)
-            with self._cv:
-                self._replica_calls[call] = (m.name, peer_node)
-        replica = None if coarse else self._replica()
+            self._ring.copy(peer, peer_node, m, ref)
+        replica = None if coarse else self._ring.replica()
         if replica is not None:
             replica.feed.remote(m.to_json(), [ref])
         with self._cv:
@@ -261,9 +192,8 @@ class PersistenceWorker:
         ``error``: why writes to storage fail, once a write failed beyond its retry budget or in a way waiting does
         not fix (None while writes work; the sender then fails the training process with it)."""
         with self._cv:
-            safe = self._newly_safe.pop(generation, [])
-            error = self._error
-        return {"node": self.node_id, "incarnation": self.incarnation, "safe": safe, "error": error}
+            return {"node": self.node_id, "incarnation": self.incarnation,
+                    "safe": self._store.take_safe(generation), "error": self._error}
 
     # -- remote API: other workers, the coordinator ----------------------------------------------------------------
     def hold_replica(self, manifest_json: bytes, refs: list, origin: str) -> bool:
@@ -283,10 +213,7 @@ class PersistenceWorker:
     def mark_durable(self, names: list[str]) -> None:
         """The origin wrote these objects to storage: our replicas of them may now be released."""
         with self._cv:
-            for n in names:
-                h = self._held.get(n)
-                if h is not None:
-                    h.durable = True
+            self._store.mark_durable(names)
             self._cv.notify_all()
 
     def persist(self, names: list[str]) -> list[str]:
@@ -298,12 +225,12 @@ class PersistenceWorker:
         done = []
         for name in names:
             with self._cv:
-                h = self._held.get(name)
+                h = self._store.get(name)
             if h is None or h.durable:
                 continue
             try:
-                ray.get(self._coord().report.remote(h.manifest.to_json(), self.node_id, [h.ref], False),
-                        timeout=30)
+                ray.get(self._channel.coordinator().report.remote(h.manifest.to_json(), self.node_id, [h.ref],
+                                                                  False), timeout=30)
             except Exception as e:  # noqa: BLE001 - the coordinator restarts: unhide below still holds
                 log.info("ray_ckpt: could not announce %s to the coordinator (%s)", name, e)
             self._commit(h.manifest, as_buffers(ray.get(h.ref)), [name])
@@ -315,7 +242,7 @@ class PersistenceWorker:
         """``origin``'s worker restarted or its node is gone: write every replica of its chunks held here that is
         not durable yet (the coordinator asks every live worker: it may not know of replicas just taken)."""
         with self._cv:
-            names = [n for n, h in self._held.items() if h.replica and h.origin == origin and not h.durable]
+            names = self._store.replicas_of(origin)
         done = self.persist(names)
         if done:
             log.info("ray_ckpt: node %s wrote %d chunks of restarted/lost node %s", self.node_id[:8], len(done),
@@ -323,15 +250,16 @@ class PersistenceWorker:
         return done
 
     def flush(self, timeout: float = 300.0) -> dict:
-        """Write every pending chunk now and wait until everything received so far is durable and every
-        replication call has settled (a replica whose peer died is given up: the object is durable)."""
+        """Write every pending chunk now and wait until everything received so far is durable, every replication
+        call has settled (a replica whose peer died is given up: the object is durable) and the coordinator has
+        applied the last report."""
         deadline = time.monotonic() + timeout
         with self._cv:
             self._queue.flush_requested += 1
             self._cv.notify_all()
             try:
-                while ((self._queue.busy() or self._replica_calls or self._reports
-                        or self._reports_sending) and self._error is None):
+                while ((self._queue.busy() or self._ring.copies or not self._channel.idle())
+                       and self._error is None):
                     if time.monotonic() > deadline:
                         raise TimeoutError("persistence worker flush timed out")
                     self._cv.wait(0.1)
@@ -339,26 +267,15 @@ class PersistenceWorker:
                 self._queue.flush_requested -= 1
             if self._error is not None:
                 raise RuntimeError(f"persistence worker on node {self.node_id} failed: {self._error}")
-            last = self._last_update
-        self._await_delivery(last, deadline)
+            last = self._channel.last
+        self._channel.await_delivery(last, deadline)
         return self.stats()
-
-    def _await_delivery(self, ref, deadline: float) -> None:
-        """Wait until the coordinator has applied the newest report (its calls run one at a time, in order per
-        caller): after ``flush`` its status and GC see every object this worker made durable. A coordinator
-        that is restarting rebuilds from inventories instead; that is not waited for beyond the deadline."""
-        if ref is None:
-            return
-        try:
-            ray.get(ref, timeout=max(0.1, min(_DELIVERY_WAIT_S, deadline - time.monotonic())))
-        except Exception as e:  # noqa: BLE001 - restarting or slow: it rebuilds from inventories
-            log.info("ray_ckpt: the coordinator has not confirmed this worker's last report: %s", e)
 
     def holder_refs(self, names: list[str]) -> dict:
         """``{name: [ObjectRef]}`` of the objects among ``names`` held here (a restore plan asks the holders:
         ``held`` reports carry no object refs, see :meth:`Coordinator.plan`). Called by the coordinator."""
         with self._cv:
-            return {n: [self._held[n].ref] for n in names if n in self._held}
+            return {n: [h.ref] for n in names if (h := self._store.get(n)) is not None}
 
     # -- full-checkpoint control, relayed for this node's ranks (shard runs) -----------------------------------
     def control(self, generation: int, trainer: dict | None = None) -> dict | None:
@@ -387,22 +304,15 @@ class PersistenceWorker:
     def inventory(self) -> list:
         """``[(manifest_json, [ref], durable)]`` of everything held (coordinator rebuild)."""
         with self._cv:
-            return [(h.manifest.to_json(), [h.ref], h.durable) for h in self._held.values()]
+            return [(h.manifest.to_json(), [h.ref], h.durable) for h in self._store.items.values()]
 
     def cover(self, generation: int, step: int) -> int:
         """A durable full of ``generation`` at ``step`` exists: lazy diffs up to it need never be written (they
-        stay held, releasable like durable objects, for restores of older steps while memory allows)."""
-        covered: list[str] = []
+        stay held, releasable like durable objects, for restores of older steps while memory allows; the sender
+        may drop them: nothing will ever write them)."""
         with self._cv:
             self._queue.cover(generation, step)
-            for h in self._held.values():
-                m = h.manifest
-                if m.generation == generation and m.kind == "diff" and m.last_step <= step and _lazy(m) \
-                        and not h.durable:
-                    h.durable = True   # for release and persist: a durable full covers its steps
-                    covered.append(m.name)
-            n = len(covered)
-            self._mark_safe_locked(covered)   # the sender may drop them: nothing will ever write them
+            n = len(self._store.cover(generation, step))
             self._stats["covered"] += n
             self._cv.notify_all()
         return n
@@ -412,23 +322,15 @@ class PersistenceWorker:
         before it was written or held on a peer is no longer needed (a newer durable full took its place): it is
         not written, and its sender hears that it is safe, since nothing will make it durable for it to wait on."""
         with self._cv:
-            unsafe = [n for n in names if (h := self._held.get(n)) is not None and not h.durable and not h.replica
-                      and not h.peer]
-            if unsafe:
-                self._mark_safe_locked(unsafe)
-                for n in unsafe:
-                    self._queue.drop(self._held[n].manifest)
-            for n in names:
-                h = self._held.pop(n, None)
-                if h is not None:
-                    self._held_bytes -= h.nbytes
+            for m in self._store.release(names):
+                self._queue.drop(m)
             self._cv.notify_all()
 
     def stats(self) -> dict:
         with self._cv:
             return {"node_id": self.node_id, "incarnation": self.incarnation, "memory_budget": self.memory_budget,
-                    "held_objects": len(self._held),
-                    "held_bytes": self._held_bytes, "queued_chunks": self._queue.queued_chunks(),
+                    "held_objects": len(self._store.items),
+                    "held_bytes": self._store.nbytes, "queued_chunks": self._queue.queued_chunks(),
                     "error": self._error, **self._stats}
 
     def ping(self) -> str:
@@ -441,154 +343,73 @@ class PersistenceWorker:
         (lazy diffs included) and so is what arrives until it is gone; every chunk received here whose second copy
         is not acknowledged yet, or is on a draining node, is copied to a node that stays. Returns
         ``{"node", "draining_self", "copied": chunks sent to a new peer}``."""
-        with self._cv:
-            self._draining = {str(n): int(d) for n, d in drains.items()}
-            self._peer_cache = None
-            was, self._drain_self = self._drain_self, self.node_id in self._draining
-            self._cv.notify_all()
-        if self._drain_self and not was:
+        if self._ring.notice(drains):
             log.warning("ray_ckpt: node %s is draining (deadline %s): writing everything it holds now",
-                        self.node_id[:12], self._draining[self.node_id] or "none")
-        peer, peer_node = self._peer()
-        copied = 0
-        if peer is not None and peer_node not in self._draining:
+                        self.node_id[:12], self._ring.draining[self.node_id] or "none")
+        peer, peer_node = self._ring.peer()
+        todo = []
+        if peer is not None and peer_node not in self._ring.draining:
             with self._cv:
-                inflight = {name for name, _ in self._replica_calls.values()}
-                todo = [h for n, h in self._held.items() if not h.replica and not h.durable and n not in inflight
-                        and (h.peer is None or h.peer in self._draining)]
-            for h in todo:
-                call = peer.hold_replica.remote(h.manifest.to_json(), [h.ref], self.node_id)
-                with self._cv:
+                todo = self._store.unsecured(self._ring.draining, self._ring.copying())
+                for h in todo:
                     h.peer = None
-                    self._replica_calls[call] = (h.manifest.name, peer_node)
-                copied += 1
-            if copied:
+            for h in todo:
+                self._ring.copy(peer, peer_node, h.manifest, h.ref)
+            if todo:
                 log.info("ray_ckpt: node %s copies %d chunks to node %s (their second copy was on a draining "
-                         "node or not acknowledged)", self.node_id[:12], copied, peer_node[:12])
-        self._stats["drain_copies"] += copied
-        return {"node": self.node_id, "draining_self": self._drain_self, "copied": copied}
-
-    def _refresh_draining(self) -> dict:
-        """The drain state as the GCS has it (asked when the peer is chosen again, every few seconds): a worker
-        created after a notice, or one whose notice was lost, still avoids draining peers."""
-        got = draining_nodes()
-        with self._cv:
-            self._draining = got
-            if got:
-                if self.node_id in got and not self._drain_self:
-                    self._drain_self = True
-                    log.warning("ray_ckpt: node %s is draining: writing everything it holds now", self.node_id[:12])
-            return dict(self._draining)
+                         "node or not acknowledged)", self.node_id[:12], len(todo), peer_node[:12])
+        self._stats["drain_copies"] += len(todo)
+        return {"node": self.node_id, "draining_self": self._ring.drain_self, "copied": len(todo)}
 
     # -- report thread: coordinator messages, replication acknowledgements -----------------------------------------
     def _report_loop(self) -> None:
+        """Report thread: every report interval, the peer's acknowledgements (those chunks are safe) and one
+        update call with the messages queued since the last one. One update call in flight: while the coordinator
+        has not answered the last one (it is behind), the messages wait and go in the next call (a saturated
+        coordinator gets fewer, larger calls, and answers sooner, instead of a growing queue of calls each costing
+        it Ray's per-call work). Metrics about once a second."""
         deltas = _metrics.CounterDeltas({"run": self.run, "node": self.node_id[:12]})
         metrics_t = 0.0
         while True:
             if time.monotonic() - metrics_t >= 1.0:
                 metrics_t = time.monotonic()
                 _metrics.worker_metrics(self.stats(), deltas)
-            self._take_interval()
-            # one update call in flight: while the coordinator has not answered the last one (it is behind), the
-            # messages wait here and go in the next call (a saturated coordinator gets fewer, larger calls, and
-            # answers sooner, instead of a growing queue of calls each costing it Ray's per-call work)
-            busy = self._update_pending()
+            self._channel.take_interval()
+            busy = self._channel.unanswered()
             with self._cv:
-                if not self._reports and not self._replica_calls:
+                if not self._channel.pending and not self._ring.copies:
                     self._cv.wait(1.0)
-                if busy:
-                    msgs = []
-                else:
-                    msgs, self._reports = self._reports, []
-                self._reports_sending = bool(msgs)
-                calls = list(self._replica_calls)
-            if calls:
-                ready, _ = ray.wait(calls, num_returns=len(calls), timeout=0)
-                for c in ready:
-                    with self._cv:
-                        name, peer_node = self._replica_calls.pop(c)
-                    try:
-                        ok = ray.get(c)
-                    except Exception as e:  # noqa: BLE001 - the peer died: the chunk waits for durability
-                        log.info("ray_ckpt: replication of %s failed: %s", name, e)
-                        ok = False
-                    if ok:
-                        self._mark_safe([name], peer=peer_node)
-            if msgs:
-                ref = None
-                try:
-                    ref = self._coord().update.remote(self.node_id, pack_reports(msgs))
-                    self._stats["coordinator_calls"] += 1
-                except Exception as e:  # noqa: BLE001 - the coordinator is restarting: it rebuilds from inventories
-                    log.warning("ray_ckpt: coordinator unreachable (%s); it will rebuild from inventories", e)
-                    self._coordinator = None
+                msgs = self._channel.take(busy)
+            for name, peer_node in self._ring.acknowledged():
                 with self._cv:
-                    self._last_update = ref
-                    self._reports_sending = False
+                    self._store.mark_safe([name], peer=peer_node)
                     self._cv.notify_all()
+            if self._channel.send(msgs):
+                self._stats["coordinator_calls"] += 1
             with self._cv:   # a flush does not wait out a long interval (a wide job's)
-                self._cv.wait_for(lambda: self._queue.flush_requested > 0, timeout=self._report_interval)
+                self._cv.wait_for(lambda: self._queue.flush_requested > 0, timeout=self._channel.interval)
             if self._queue.flush_requested > 0:
-                time.sleep(_REPORT_INTERVAL_S)
-
-    def _update_pending(self) -> bool:
-        """Report thread: whether the newest update call is still unanswered (never waits)."""
-        ref = self._last_update
-        if ref is None:
-            return False
-        try:
-            ready, _ = ray.wait([ref], timeout=0)
-        except Exception:  # noqa: BLE001 - a ref that cannot be waited on is not waited for
-            return False
-        return not ready
-
-    def _take_interval(self) -> None:
-        """Report thread: the report interval the coordinator asked for in its newest answer to an update call
-        (:func:`answered_interval`; never waits). A busy coordinator answers late: the calls still unanswered
-        (at most 64) are looked at, not only the last one."""
-        pending = self._unanswered
-        if self._last_update is not None and (not pending or pending[-1] is not self._last_update):
-            pending.append(self._last_update)
-        if not pending:
-            return
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
-        if ready:
-            done = set(ready)
-            newest = [r for r in pending if r in done][-1]
-            self._report_interval = answered_interval(newest, self._report_interval)
-            self._unanswered = collections.deque((r for r in pending if r not in done), maxlen=64)
-
-    def _mark_safe(self, names: list[str], peer: str | None = None) -> None:
-        with self._cv:
-            self._mark_safe_locked(names, peer)
-            self._cv.notify_all()
-
-    def _mark_safe_locked(self, names: list[str], peer: str | None = None) -> None:
-        """Tell the sender (next answer) that ``names`` are safe. Called under the lock that made them safe: a
-        durable object may be released by the budget the moment the lock is let go, and one released before
-        this ran was never reported safe (its sender waited for it until its flush failed)."""
-        for n in names:
-            h = self._held.get(n)
-            if h is None or h.replica:
-                continue
-            if peer is not None:
-                h.peer = peer
-            self._newly_safe.setdefault(h.manifest.generation, []).append(n)
+                time.sleep(REPORT_INTERVAL_S)
 
     # -- writer thread -----------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        """Writer thread: the write queue's next job (a full, or a run of diffs laid end to end), retried by the
+        retry policy; a job that failed beyond it stays held and queued and is tried again later."""
         while True:
             with self._cv:
                 job = None
                 while job is None:
-                    job = self._next_job_locked()
+                    # after a write failed beyond its retry budget, nothing until _retry_at
+                    if self._error is None or time.monotonic() >= self._retry_at:
+                        job = self._queue.next_job(self._store.items, peer_node=self._ring.peer_node,
+                                                   urgent=self._store.over_budget or self._ring.drain_self)
                     if job is None:
                         self._cv.wait(0.2)
                 self._queue.writing = True
             try:
                 kind, payload = job
                 if kind == "full":
-                    h = self._held.get(payload.name)
+                    h = self._store.get(payload.name)
                     if h is not None:
                         self._commit(payload, as_buffers(ray.get(h.ref)), [payload.name])
                 else:
@@ -609,19 +430,12 @@ class PersistenceWorker:
                     self._queue.writing = False
                     self._cv.notify_all()
 
-    def _next_job_locked(self):
-        """The next write (:meth:`WriteQueue.next_job`); after a write failed beyond its retry budget, nothing
-        until ``_retry_at``. Writer thread, under the lock."""
-        if self._error is not None and time.monotonic() < self._retry_at:
-            return None
-        return self._queue.next_job(self._held, urgent=self._held_bytes > self.memory_budget or self._drain_self,
-                                    peer_node=self._peer_cache[2] if self._peer_cache is not None else "")
-
     def _write_batch(self, run: list[Manifest]) -> None:
+        """Writer thread: the diff chunks ``run`` as one object (those released meanwhile left out)."""
         bufs, covers = [], []
         for m in run:
             with self._cv:
-                h = self._held.get(m.name)
+                h = self._store.get(m.name)
             if h is None:  # released by GC meanwhile
                 continue
             bufs.extend(as_buffers(ray.get(h.ref)))
@@ -634,6 +448,8 @@ class PersistenceWorker:
         self._commit(merged_manifest(covers, bufs), bufs, [m.name for m in covers])
 
     def _commit(self, m: Manifest, bufs: list, covers: list[str]) -> None:
+        """Write one object and its manifest; the chunks ``covers`` are durable (reported, safe for their sender,
+        and their peers' replicas releasable). Writer thread, or the actor thread of a persist."""
         t0 = time.perf_counter()
         self._retry_policy.call(lambda: self.storage.write(m.object, bufs), f"writing {m.object!r}")
         self._retry_policy.call(lambda: self.storage.write(m.key, m.to_json()), f"writing {m.key!r}")
@@ -641,16 +457,10 @@ class PersistenceWorker:
         self._stats["objects_written"] += 1
         self._stats["bytes_written"] += m.nbytes
         self._stats["diff_bytes_written" if m.kind == "diff" else "full_bytes_written"] += m.nbytes
-        peers: dict[str, list[str]] = {}
         with self._cv:
-            for n in covers:
-                h = self._held.get(n)
-                if h is not None:
-                    h.durable = True
-                    if h.peer:
-                        peers.setdefault(h.peer, []).append(n)
-            self._reports.append(("durable", m, covers))
-            self._mark_safe_locked(covers)
+            peers = self._store.mark_durable(covers)
+            self._channel.add(("durable", m, covers))
+            self._store.mark_safe(covers)
             self._cv.notify_all()
         for node, names in peers.items():
             try:
@@ -659,22 +469,12 @@ class PersistenceWorker:
                 pass
 
 
-def _staying(nodes: list[str], draining: dict) -> list[str]:
-    """``nodes`` without the draining ones, in the same order (all of them when every one drains)."""
-    return [n for n in nodes if n not in draining] or nodes
-
-
 def _reconstructed() -> bool:
     """Whether this actor is a restarted incarnation (a hosted lineage's worker: whether its host is). Actor."""
     try:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # noqa: BLE001 - not in an actor: say restarted (the coordinator then does the full check)
         return True
-
-
-def _lazy(m: Manifest) -> bool:
-    """A diff the durable tier gets only when needed (``durable_diffs`` "fulls" or "amber")."""
-    return lazy_diffs(m)
 
 
 def _actor_options(name: str, node_id: str) -> dict:
