@@ -47,7 +47,13 @@ def test_sigkill_mid_write_leaves_last_committed_step(tmp_path, kill_after):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     model, opt = _fresh()
-    got = ray_ckpt.restore(uri, model, opt)
+    try:
+        got = ray_ckpt.restore(uri, model, opt)
+    except ray_ckpt.NoCheckpointError:
+        # killed before its writer thread committed the attach full (a loaded machine): nothing was reported
+        # committed, so nothing is lost
+        assert committed is None
+        return
     assert committed is None or got >= committed  # nothing reported committed is lost
     T.assert_same(_reference(got), T.snapshot(model, opt), f"restored step {got}")
 
