@@ -187,3 +187,23 @@ def test_the_report_channel_sends_one_call_at_a_time_and_adopts_the_answered_int
     calls[1].set_result(None)
     ch.await_delivery(ch.last, deadline=time.monotonic() + 1)                 # answered: returns at once
     assert not ch.send([])                                                     # nothing to send: no call
+
+
+def test_a_hand_off_never_waits_for_a_replica_lookup(monkeypatch):
+    """The replica's handle is looked up once for the hand-offs, then renewed by the report thread only: a lookup
+    blocks while the replica's actor restarts (moved off a draining node), and a hand-off that waited for it held
+    the training process's sender back for seconds, past a drain's deadline (tests/test_drain.py flaked)."""
+    from ray_ckpt.runtime import peer_ring
+    lookups = []
+
+    def replica_of():
+        lookups.append(1)
+        return f"replica-{len(lookups)}"
+
+    ring = PeerRing("b", threading.Condition(), alive=lambda: ["a", "b"], worker_of=lambda n: None,
+                    replica_of=replica_of, draining=dict, calls=FutureCalls())
+    assert ring.replica() == "replica-1" and len(lookups) == 1                 # the first hand-off looks it up
+    monkeypatch.setattr(peer_ring, "REPLICA_CACHE_S", 0.0)
+    assert ring.replica() == "replica-1" and len(lookups) == 1                 # later hand-offs never do
+    ring.refresh_replica()                                                     # the report thread renews it
+    assert ring.replica() == "replica-2" and len(lookups) == 2

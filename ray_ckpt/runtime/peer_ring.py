@@ -61,16 +61,24 @@ class PeerRing:
         return handle, self._peer[2]
 
     def replica(self):
-        """The run's state-tier replica, or None."""
+        """The run's state-tier replica, or None: the handle looked up last (a hand-off never waits for a lookup,
+        which blocks while the replica's actor restarts, e.g. moved off a draining node: a handle of the restarting
+        actor stays valid). Looked up here only the first time; :meth:`refresh_replica` renews it. Actor thread."""
+        if self._replica is None:
+            self.refresh_replica()
+        return self._replica[1]
+
+    def refresh_replica(self, force: bool = False) -> None:
+        """Look the replica up again when the last lookup is older than :data:`REPLICA_CACHE_S` (a replica created
+        or replaced meanwhile). Report thread (and the first :meth:`replica`)."""
         now = time.monotonic()
-        if self._replica is not None and now - self._replica[0] < REPLICA_CACHE_S:
-            return self._replica[1]
+        if not force and self._replica is not None and now - self._replica[0] < REPLICA_CACHE_S:
+            return
         try:
             handle = self._replica_of()
         except ValueError:
             handle = None
         self._replica = (now, handle)
-        return handle
 
     def copy(self, peer, peer_node: str, manifest, ref) -> None:
         """Send the peer a copy of a chunk held here (its acknowledgement comes with :meth:`acknowledged`)."""

@@ -380,6 +380,7 @@ class PersistenceWorker:
                 if not self._channel.pending and not self._ring.copies:
                     self._cv.wait(1.0)
                 msgs = self._channel.take(busy)
+            self._ring.refresh_replica()
             for name, peer_node in self._ring.acknowledged():
                 with self._cv:
                     self._store.mark_safe([name], peer=peer_node)
