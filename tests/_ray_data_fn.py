@@ -102,7 +102,8 @@ def train_loop(config: dict) -> None:
                 time.sleep(config.get("step_sleep", 0))
     session.close()
     torch.save({"rank": rank, "world": world, "start": start, "step": step, "skip_s": data.skip_seconds,
-                "warning": data.order_warning(), "state": T.snapshot(model, opt), "rng": torch.get_rng_state()},
+                "warning": data.order_warning(),
+                "restarted_epoch": data.restarted_epoch, "state": T.snapshot(model, opt), "rng": torch.get_rng_state()},
                os.path.join(out, f"final-{rank}-{start}.pt"))
 
 

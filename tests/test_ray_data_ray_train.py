@@ -100,3 +100,40 @@ def test_worker_killed_mid_epoch_resumes_ray_data_bitwise(tmp_path, reference, r
         print(f"rank {rank} resumed at step {start}: reached its position (batch {start - PER_EPOCH} of epoch 1) "
               f"in {got['skip_s']:.2f} s")
     assert finals[(0, start)]["warning"] is None                       # a reproducible setting: no warning
+
+
+@pytest.mark.ray
+@pytest.mark.long     # ~3 min here under load: Ray Train's start-up timeout after the node loss dominates
+def test_node_lost_mid_epoch_restarts_the_epoch_at_the_new_size(tmp_path, ray_cluster, preserve_order):
+    """2 workers on two elastic nodes, ``num_workers=(1, 2)``; one node removed in epoch 1: the group restarts with
+    1 worker at the last step every rank recorded; epoch 1 restarts at its first batch at the new size (the guide's
+    promise: Ray Data splits it anew, so the rows the old ranks consumed in it cannot be told apart): epoch 0 was
+    trained exactly once by the two ranks, epoch 1 exactly once by the remaining rank after the resize."""
+    from tests.test_ray_train_e2e import add_elastic_nodes, remove_node_at
+    nodes = add_elastic_nodes(ray_cluster, "rdelastic")
+    out = tmp_path / "out"
+    out.mkdir()
+    t, removed = remove_node_at(ray_cluster, nodes[1], out, KILL_AT)
+    try:
+        result = fit(make_dataset(), out, f"rd-elastic-{uuid.uuid4().hex[:6]}", tmp_path / "rt", workers=(1, 2),
+                     resource="rdelastic", max_failures=3,
+                     config={"step_sleep": 0.1, "env": {"RAY_CKPT_RECOVERY_EVERY": "1", "RAY_CKPT_HANDOFF_DELAY": "0"}})
+    finally:
+        t.join(timeout=5)
+        ray_cluster.remove_node(nodes[0])
+    assert result.error is None, result.error
+    assert removed.get("at", 0) >= KILL_AT, removed
+    finals = _finals(out)
+    assert len(finals) == 1, sorted(finals)                     # one rank finished: the world-1 group's
+    (rank, start), got = next(iter(finals.items()))
+    assert rank == 0 and got["world"] == 1
+    assert PER_EPOCH < start < 2 * PER_EPOCH, start             # restored mid-epoch 1
+    assert got["restarted_epoch"] == {"epoch": 1, "rows": (start - PER_EPOCH) * BATCH, "world": (2, 1)}
+    assert got["step"] == start + ROWS // BATCH                 # the whole epoch 1 at the new size
+    before = _merge(*(read_ids(out, r, 0, before=start) for r in (0, 1)))
+    _epochs_once(before, [0])
+    after = read_ids(out, 0, start)
+    assert sorted(after) == [1]
+    _epochs_once(after, [1])
+    print(f"node removed at step {removed['at']}; resumed at step {start} with 1 worker: epoch 1 restarted "
+          f"({got['restarted_epoch']['rows']} rows of it trained again by rank 0, as many by rank 1)")

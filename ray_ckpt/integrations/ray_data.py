@@ -205,6 +205,9 @@ class ResumableShard:
         self._resized: tuple | None = None
         self._other_rank: tuple | None = None
         self.skip_seconds: float | None = None   #: seconds the last resumed pass took to reach its position
+        #: set when a group restarted at another size restarted the interrupted epoch: its number, the rows this
+        #: rank had consumed in it, (old, new) world size
+        self.restarted_epoch: dict | None = None
 
     # -- the dataset, where it lives --------------------------------------------------------------------------
     def _call(self, fn, *args):
@@ -284,6 +287,7 @@ class ResumableShard:
                             "splits the epoch anew, so the rows the old ranks consumed in it cannot be told apart; "
                             "epoch %d restarts at its first batch (rank %d had consumed %d rows of it: they are "
                             "trained again)", new, old, epoch, epoch, self._rank, self._rows)
+                self.restarted_epoch = {"epoch": epoch, "rows": self._rows, "world": (old, new)}
                 skip = 0
         self._resume, self._resized = False, None
         self._epoch, self._started, self._ended = epoch, True, False
