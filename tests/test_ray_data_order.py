@@ -129,8 +129,12 @@ def test_non_reproducible_order_is_reported_once_at_attach(ray_cluster, caplog, 
         return [ResumableShard(it, batch_size=32, **kw) for it in its]
 
     from ray.data import DataContext
-    assert DataContext.get_current().execution_options.preserve_order is False   # Ray's default
-    s0, s1 = shards(make_dataset(unseeded=True), local_shuffle_buffer_size=64)
+    ctx = DataContext.get_current()
+    old, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, False   # Ray's default
+    try:
+        s0, s1 = shards(make_dataset(unseeded=True), local_shuffle_buffer_size=64)
+    finally:
+        ctx.execution_options.preserve_order = old
     warning = s0.order_warning()
     assert "random_shuffle() without a seed" in warning
     assert "preserve_order is False" in warning

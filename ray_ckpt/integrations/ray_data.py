@@ -20,17 +20,18 @@ What makes a shard's order reproducible in Ray 2.60 (read in ``ray/data`` and ``
 * ``random_shuffle(seed=int)``, ``randomize_block_order(seed=int)``: the same order at every execution (epoch).
   With ``RandomSeedConfig(seed, reseed_after_execution=True)`` or a file shuffle ``FileShuffleConfig(seed=...)``
   (which reseeds by default) the seed combines with the dataset context's execution index, which Ray Data counts
-  up after each finished execution: a restarted worker group builds a new split coordinator whose count starts
-  again, so the wrapper sets it to ``<the count at the coordinator's start> + epoch`` before each epoch (world
-  rank 0, one actor call per epoch, only for such plans). Unseeded shuffles (``seed=None``, ``shuffle="files"``)
+  up after each execution: a restarted worker group builds a new split coordinator whose count starts again, so
+  after a restore the wrapper sets it to ``<the count at the coordinator's start> + epoch`` before the
+  coordinator's first execution (world rank 0, one actor call, only for such plans); Ray counts on from there as
+  in the uninterrupted run. Unseeded shuffles (``seed=None``, ``shuffle="files"``)
   differ at every execution: nothing can resume them exactly.
 * ``local_shuffle_buffer_size``: exact with ``local_shuffle_seed`` (the buffer reseeds at every pass).
 * The number of workers: the split depends on it. A group restarted at another size cannot tell which of the
   interrupted epoch's rows the old ranks consumed (see *Elastic*).
 
 Runs in the training process (a Ray Train worker or a plain loop); it asks the split's coordinator actor for the
-dataset's plan once (world rank 0) and, for plans that reseed per execution, sets its execution index once per
-epoch.
+dataset's plan once (world rank 0) and, for plans that reseed per execution, sets its execution index once after
+a restore.
 """
 from __future__ import annotations
 
@@ -201,6 +202,7 @@ class ResumableShard:
             self._plan = self._call(_inspect_dataset)
         self._epoch, self._position, self._rows, self._ended, self._started = 0, 0, 0, False, False
         self._restored = self._resume = False
+        self._passes = 0   # passes started by this wrapper (this process)
         self._planned: int | None = None
         self._resized: tuple | None = None
         self._other_rank: tuple | None = None
@@ -292,8 +294,12 @@ class ResumableShard:
         self._resume, self._resized = False, None
         self._epoch, self._started, self._ended = epoch, True, False
         self._position, self._rows = (self._position, self._rows) if skip else (0, 0)
-        if self._plan is not None and self._plan["reseeds"]:   # the seed of this epoch's execution, as uninterrupted
+        if self._restored and not self._passes and epoch and self._plan is not None and self._plan["reseeds"]:
+            # this group's split coordinator counts executions from its start; the uninterrupted run's was at
+            # `epoch` more when this epoch began (one execution per epoch). Set once, before this coordinator's
+            # first execution: later, Ray's own count-up after each execution may land after any set of ours
             self._call(_set_execution_idx, self._plan["execution_idx"] + epoch)
+        self._passes += 1
         t0 = time.perf_counter()
         batches = iter(self._batches(skip))
         nxt = next(batches, _END)
