@@ -195,8 +195,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
                                          scaler=scaler, run=run, mark=parts.mark)
     restore_seconds = time.perf_counter() - t0
     clock.mark("restore")
-    if restored:
-        log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, restore_seconds)
+    _log_restore(rank, start, restored, restore_seconds, extra_state)
     ck = recorder = None
     if sharded:
         # FSDP2: every rank checkpoints its own shard lineage (with its own loop state): through its shard run
@@ -225,6 +224,36 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, schedule
     log.info("ray_ckpt: rank %d attached in %s", rank, startup_line(session.startup))
     session._hooks.append(optimizer.register_step_post_hook(_pointer_hook(session)))
     return session
+
+
+def _log_restore(rank: int, start: int, restored: bool, seconds: float, extra_state: Any) -> None:
+    """The restore's INFO line and, on world rank 0, a WARNING for each data source whose order would not repeat
+    after a restart (:func:`order_warnings`). Training worker."""
+    if restored:
+        log.info("ray_ckpt: rank %d restored step %d in %.2f s", rank, start, seconds)
+    if rank == 0:
+        for warning in order_warnings(extra_state):
+            log.warning("%s", warning)
+
+
+def order_warnings(extra_state: Any) -> list[str]:
+    """What the data sources in ``extra_state`` (and the members of a dict of them, or of a ``ResidualState``)
+    say about an order that would not repeat after a restart: each one's ``order_warning()``, where it has one
+    (:class:`~ray_ckpt.integrations.ray_data.ResumableShard`). Training process."""
+    found, todo, seen = [], [extra_state], set()
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        members = obj if isinstance(obj, dict) else getattr(obj, "members", None)
+        todo.extend(members.values() if isinstance(members, dict) else ())
+        todo.append(getattr(obj, "extra", None))
+        check = getattr(obj, "order_warning", None)
+        warning = check() if callable(check) else None
+        if warning:
+            found.append(warning)
+    return found
 
 
 def run_config(run: str, storage, config: CheckpointConfig | None, overrides: dict) -> CheckpointConfig:
@@ -324,4 +353,4 @@ def _pointer_hook(session: TrainSession):
 
 # read_pointer: the reader of the pointer files this module reports, for ray_ckpt.train (which imports only
 # from integrations)
-__all__ = ["TrainSession", "attach", "read_pointer", "record_rank_loop", "run_config"]
+__all__ = ["TrainSession", "attach", "order_warnings", "read_pointer", "record_rank_loop", "run_config"]
