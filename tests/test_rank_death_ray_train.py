@@ -90,11 +90,12 @@ def _case(tmp_path, references, kill_rank, mode, recording="every_step"):
         assert torch.equal(ref["rng"], got["rng"]), f"rank {rank}: RNG"
 
 
-# four cases in `make test`: every step recorded (rank 1 dense, rank 0 top-k) and every-k (rank 0 and rank 1, the
-# quickstart's loader with a generator); the other three under `long`
+# three cases in `make test`: every step recorded (rank 1) and every-k (rank 0 and rank 1, the quickstart's loader
+# with a generator); the other four (top-k among them: also in tests/test_continuation_e2e.py) under `long`
 @pytest.mark.ray
 @pytest.mark.parametrize("kill_rank,mode,recording", [
-    (1, "dense", "every_step"), (0, "topk", "every_step"), (0, "dense", "every_k"), (1, "dense", "every_k"),
+    (1, "dense", "every_step"), (0, "dense", "every_k"), (1, "dense", "every_k"),
+    pytest.param(0, "topk", "every_step", marks=pytest.mark.long),
     pytest.param(0, "dense", "every_step", marks=pytest.mark.long),
     pytest.param(1, "topk", "every_step", marks=pytest.mark.long),
     pytest.param(0, "topk", "every_k", marks=pytest.mark.long)])

@@ -146,7 +146,9 @@ def remove_node_at(ray_cluster, node, out, step: int, world: int = 2) -> tuple[t
     return t, removed
 
 
-@pytest.mark.parametrize("recovery_every", [1, 4])      # every step recorded; a full every 4 steps
+# every step recorded (under `long`: make test resizes FSDP2 groups in tests/test_sharded_ray_train.py and kills ranks
+# in both modes in tests/test_rank_death_ray_train.py); a full every 4 steps
+@pytest.mark.parametrize("recovery_every", [pytest.param(1, marks=pytest.mark.long), 4])
 def test_node_removed_elastic_run_continues_from_exact_step(tmp_path, reference, ray_cluster,  # noqa: F811
                                                             recovery_every):
     from ray.train import FailureConfig, RunConfig, ScalingConfig

@@ -380,6 +380,8 @@ class PersistenceWorker:
                 if not self._channel.pending and not self._ring.copies:
                     self._cv.wait(1.0)
                 msgs = self._channel.take(busy)
+            if not ray.is_initialized():   # a worker built outside an actor (tests) outlives its Ray: stop
+                return
             self._ring.refresh_replica()
             for name, peer_node in self._ring.acknowledged():
                 with self._cv:
