@@ -222,7 +222,9 @@ class Checkpointer:
 
     @property
     def last_committed_step(self) -> int | None:
-        """The highest step whose diff or full object is committed (durable)."""
+        """The highest step whose diff or full object is committed: written (``runtime="local"``) or handed to the
+        node's persistence worker (``runtime="ray"``; ``stats()["runtime"]["held_step"]``: the newest step the
+        worker acknowledged, which survives a crash of this process). Any thread."""
         return self._sink.stats.last_committed_step
 
     def flush(self, timeout: float | None = None) -> None:

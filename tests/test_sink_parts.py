@@ -96,10 +96,10 @@ def test_the_transport_waits_for_the_oldest_answer_beyond_its_in_flight_limit():
         t.send(_chunk(s + 1))
     assert len(t.inflight) == MAX_INFLIGHT
     t.reap()                                             # nothing answered: never waits
-    assert len(t.inflight) == MAX_INFLIGHT
+    assert len(t.inflight) == MAX_INFLIGHT and t.held_step is None   # handed over, not yet held
     w.pending[0].set_result(w._answer())
     t.reap()
-    assert len(t.inflight) == MAX_INFLIGHT - 1 and t.poll_t > 0
+    assert len(t.inflight) == MAX_INFLIGHT - 1 and t.poll_t > 0 and t.held_step == 1
 
 
 def test_coalesce_joins_small_buffers_and_hands_large_ones_over_as_they_are():

@@ -1,6 +1,7 @@
 """A training process for the kill trials (tests/reliability/test_kill_trials.py): trains the shared MLP job with
 runtime="ray" against a running Ray cluster and SIGKILLs itself at the point the trial names. Prints the number
-of optimizer steps completed before each kill point so the test knows what was lost."""
+of optimizer steps completed before each kill point, and the newest step the node's persistence worker had
+acknowledged by then (``held``), so the test knows what was lost and what had to survive."""
 from __future__ import annotations
 
 import json
@@ -43,14 +44,17 @@ def main() -> None:
     ck = ray_ckpt.Checkpointer(cfg["uri"], model, opt, scheduler=sch, runtime="ray", run=cfg["run"],
                                full_every=cfg["full_every"], batch_steps=1, handoff_delay=0.0,
                                recovery_every=cfg.get("recovery_every", 1))
+    def held() -> int | None:
+        return ck.stats()["runtime"]["held_step"]
+
     for s in range(start, cfg["steps"]):
         if s == at and where == "step":
-            print(json.dumps({"done": s}), flush=True)
+            print(json.dumps({"done": s, "held": held()}), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         T.train_step("mlp", model, opt, sch, s)
         time.sleep(cfg.get("step_sleep", 0.05))
         if s + 1 == at and where == "flush":     # during a flush
-            print(json.dumps({"done": s + 1}), flush=True)
+            print(json.dumps({"done": s + 1, "held": held()}), flush=True)
             kill_after(rng.uniform(0.0, 0.02))
             ck.flush()
             time.sleep(5)

@@ -28,7 +28,8 @@ collected (``batch_steps`` steps or ``handoff_delay`` seconds of training; nothi
 records — when the sender falls behind, ``submit`` waits for room in the queue (``stats()["queue_stalls"]``).
 
 A step is *recoverable* as soon as the worker acknowledged its chunk (held in the node's object store);
-``last_committed_step`` counts those. Durability follows asynchronously in the worker.
+``runtime_stats()["held_step"]`` is the newest such step (``last_committed_step`` counts the steps handed over,
+acknowledged or not). Durability follows asynchronously in the worker.
 
 Parts, each testable without Ray, all called on the sender thread: the transport to the node's worker (hand-offs,
 answers, resends, the shared-memory fallback: :mod:`~ray_ckpt.runtime.trainer.transport`), the control poll
@@ -160,7 +161,7 @@ class RaySink(BoundedSink):
         t = self.transport
         out = {"actor_calls": t.actor_calls, "chunks_sent": self.chunks_sent,
                "shared_chunks": self.shared_chunks, "shared_handoff": t.arena is not None,
-               "resent_chunks": t.resent_chunks, "unsafe_chunks": len(t.unsafe),
+               "resent_chunks": t.resent_chunks, "unsafe_chunks": len(t.unsafe), "held_step": t.held_step,
                "handoff_seconds": self.handoff_seconds, "sender_cpu_seconds": self.sender_cpu_seconds,
                "delegated_fulls": bool(self.replica_enabled and self.control.state["delegate"]),
                "control_answers": dict(self.control.asks), "notice_waits": dict(self.notice_waits),

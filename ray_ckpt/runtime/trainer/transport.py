@@ -109,6 +109,9 @@ class Transport:
         self.actor_calls = 0              #: calls to the persistence worker (submit, poll, flush)
         self.resent_chunks = 0
         self.restarts_seen = 0            #: restarts of this node's worker seen (a new incarnation answered)
+        #: the newest step whose chunk this node's worker acknowledged (held in its object store): it survives a
+        #: crash of this process; the steps after it may not (still queued here, or a hand-off unanswered)
+        self.held_step: int | None = None
 
     def call(self, fn, what: str):
         """One call to the node's worker, waited for; when the actor is restarting, retry (the new incarnation's
@@ -157,10 +160,12 @@ class Transport:
             if c.plain is not None:
                 c.arrays, c.plain = c.plain, None
             reply = call()
-        self._answered(reply)
+        self._answered(reply, c)
 
-    def _answered(self, reply: dict) -> None:
+    def _answered(self, reply: dict, c: Chunk) -> None:
         self.poll_t = time.monotonic()   # the answer says what became safe: no poll while hand-offs are frequent
+        last = c.manifest.last_step
+        self.held_step = last if self.held_step is None else max(self.held_step, last)
         self.on_reply(reply)
 
     def _complete(self, ref, c: Chunk) -> None:
@@ -184,7 +189,7 @@ class Transport:
                         c.manifest.name, e)
             self.send_sync(c)
             return
-        self._answered(reply)
+        self._answered(reply, c)
 
     def no_shared(self, err) -> None:
         """The node worker cannot map this process's shared memory (``err``, its refusal): from now on every chunk
