@@ -91,10 +91,18 @@ _prestarted: set[str] = set()
 
 
 def start_node_worker(run: str, storage, config):
-    """This node's persistence worker of ``run``, created if missing, without waiting for its process to start.
-    Training process."""
-    return get_or_create_worker(run, ray.get_runtime_context().get_node_id(), storage, config.memory_budget,
-                                config.write_timeout)
+    """This node's persistence worker of ``run``, created if missing, without waiting for its process to start;
+    the ring peer's too (the worker the first chunk's copy goes to: created only then, its process start held the
+    first copies, and so a ``flush``/``close`` of a short run, 1.8 s here). Training process."""
+    me = ray.get_runtime_context().get_node_id()
+    worker = get_or_create_worker(run, me, storage, config.memory_budget, config.write_timeout)
+    peer = _ring_peer(me)
+    if peer is not None:
+        try:
+            get_or_create_worker(run, peer, storage, config.memory_budget, config.write_timeout)
+        except Exception as e:  # noqa: BLE001 - an optimization only: the worker creates its peer when it copies
+            log.info("ray_ckpt: could not start the peer node's persistence worker ahead of the first copy (%s)", e)
+    return worker
 
 
 def prestart(run: str, storage, *, config, lowdiff: bool, full_every: int) -> None:
@@ -189,12 +197,18 @@ def _wait_name_free(name: str, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def _ring_peer(me: str) -> str | None:
+    """The alive node after ``me`` in ring order by node id (None when alone): where the persistence worker of
+    ``me`` sends its copies."""
+    alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    others = [n for n in alive if n > me] + [n for n in alive if n < me]
+    return others[0] if others else None
+
+
 def _replica_node() -> str:
     """The node after this one in ring order (a peer that survives this node), or this node when alone."""
     me = ray.get_runtime_context().get_node_id()
-    alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-    others = [n for n in alive if n > me] + [n for n in alive if n < me]
-    return others[0] if others else me
+    return _ring_peer(me) or me
 
 
 def node_share(budget: int, ranks_on_node: int) -> int:
