@@ -30,7 +30,7 @@ def train_loop(config: dict) -> None:
     model = T.make_model("mlp")
     net = ray.train.torch.prepare_model(model)
     opt = T.make_optimizer("adamw", model)
-    mine = config.get("worker_config")
+    mine = config["worker_config"].get(str(rank))
     session = ray_ckpt.train.attach(net, opt, report_every=0,
                                     config=ray_ckpt.CheckpointConfig(**mine) if mine is not None else None)
     for s in range(session.start_step, STEPS):
@@ -45,7 +45,9 @@ def train_loop(config: dict) -> None:
     torch.save(got, os.path.join(config["out"], f"rank{rank}.pt"))
 
 
-def _fit(tmp_path, callback, worker_config=None) -> list[dict]:
+def _fit(tmp_path, callback, worker_config: dict) -> list[dict]:
+    """``worker_config``: ``{"<rank>": fields of that rank's own CheckpointConfig}`` (a rank not named attaches
+    without one)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     out = tmp_path / "out"
@@ -60,21 +62,15 @@ def _fit(tmp_path, callback, worker_config=None) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
-def test_a_workers_config_drives_its_rank_and_the_run(tmp_path, ray_cluster, monkeypatch):
-    """The worker's config wins over the callback's explicit fields; the rest come from the callback."""
+def test_a_workers_config_drives_its_rank_and_the_callbacks_reaches_the_others(tmp_path, ray_cluster, monkeypatch):
+    """The callback's config (``config=`` and keyword overrides) reaches every worker; rank 0's own config wins
+    over it for rank 0 and the run (the coordinator shows it); rank 1, attached without one, gets the callback's."""
     monkeypatch.delenv("RAY_CKPT_KEEP_FULLS", raising=False)
-    cb = ray_ckpt.train.RayCkptCallback(tmp_path / "ckpt", keep_fulls=5, handoff_delay=0.3)
-    ranks = _fit(tmp_path, cb, worker_config={"overhead_budget": 0.02, "keep_fulls": 3})
-    rank0 = ranks[0]
+    cb = ray_ckpt.train.RayCkptCallback(tmp_path / "ckpt", config=ray_ckpt.CheckpointConfig(keep_fulls=5),
+                                        handoff_delay=0.3)
+    ranks = _fit(tmp_path, cb, worker_config={"0": {"overhead_budget": 0.02, "keep_fulls": 3}})
+    rank0, rank1 = ranks
     for where in ("checkpointer", "coordinator", "session"):
         assert (rank0[where]["overhead_budget"], rank0[where]["keep_fulls"]) == (0.02, 3), (where, rank0[where])
-    assert rank0["checkpointer"]["handoff_delay"] == 0.3 == ranks[1]["session"]["handoff_delay"]
-    assert ranks[1]["recorder_delay"] == 0.3 and ranks[1]["session"]["keep_fulls"] == 3
-
-
-def test_the_callbacks_config_reaches_the_workers(tmp_path, ray_cluster, monkeypatch):
-    monkeypatch.delenv("RAY_CKPT_KEEP_FULLS", raising=False)
-    cb = ray_ckpt.train.RayCkptCallback(tmp_path / "ckpt", config=ray_ckpt.CheckpointConfig(keep_fulls=3))
-    ranks = _fit(tmp_path, cb)
-    assert ranks[0]["checkpointer"]["keep_fulls"] == 3 == ranks[0]["coordinator"]["keep_fulls"]
-    assert ranks[1]["session"]["keep_fulls"] == 3
+    assert rank0["checkpointer"]["handoff_delay"] == 0.3 == rank1["session"]["handoff_delay"]
+    assert rank1["recorder_delay"] == 0.3 and rank1["session"]["keep_fulls"] == 5
