@@ -1,5 +1,7 @@
 """Smoke test of the benchmark harness: ``python -m benchmarks.run --smoke`` end to end (a configuration of each
-kind in make test, every configuration under ``long``; the crash-and-restore trials, the JSON / markdown / PNG outputs). Never asserts timings."""
+kind under ``long``, every configuration too, and in make test the smallest that still takes every path: a
+baseline and LowDiff through the Ray runtime; the crash-and-restore trials, the JSON / markdown / PNG outputs).
+Never asserts timings."""
 from __future__ import annotations
 
 import json
@@ -14,13 +16,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# one configuration of each saver kind and runtime (make test); every configuration, the Ray Train ones included,
-# under `long` (make reliability)
+# make test: a baseline and LowDiff through the Ray runtime; under `long` (make reliability) one configuration of
+# each saver kind and runtime, and every configuration, the Ray Train ones included
+SMALLEST = ["torch_save_1", "lowdiff_topk_ray"]
 SUBSET = ["torch_save_1", "dcp_async", "lowdiff_topk", "lowdiff_topk_ray", "amber"]
 
 
-@pytest.mark.parametrize("subset", [SUBSET, pytest.param(None, marks=pytest.mark.long, id="every-config")],
-                         ids=lambda s: "subset" if s else "every-config")
+@pytest.mark.parametrize("subset", [SMALLEST, pytest.param(SUBSET, marks=pytest.mark.long, id="subset"),
+                                    pytest.param(None, marks=pytest.mark.long, id="every-config")],
+                         ids=lambda s: "smallest" if s == SMALLEST else "subset" if s else "every-config")
 def test_benchmark_smoke(tmp_path, subset):
     pytest.importorskip("matplotlib")
     out = tmp_path / "results"
@@ -62,6 +66,7 @@ def test_benchmark_smoke(tmp_path, subset):
     assert "LowDiff top-k (ray)" in md and "torch" in md and "Python garbage collector" in md
 
 
+@pytest.mark.long   # the coordinator's scale benchmark (make bench-scale): a harness, not what users run
 def test_coordinator_scale_smoke(tmp_path):
     """``python -m benchmarks.coordinator_scale`` end to end on two short lineages (its own private Ray):
     exact heads and plans on every size (asserted inside), the three outputs, one row per size."""

@@ -78,6 +78,9 @@ def test_default_location_final_pointer_user_metrics_and_restore_from_result(kil
                   {"model": model.state_dict(), "opt": opt.state_dict()}, "restore(result.checkpoint)")
 
 
+# long: two more fits (~20 s); make test checks the refusal itself in tests/test_runtime_ray.py and
+# tests/reliability/test_lease.py
+@pytest.mark.long
 def test_another_run_is_refused_unless_it_adopts(killed_run):
     tmp, name, out, result, reference = killed_run
     lineage = tmp / "ray_train" / name / "ray_ckpt"

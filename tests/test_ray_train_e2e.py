@@ -71,7 +71,7 @@ def reference(tmp_path_factory):
     return {s: _load(out / f"ref-{s}.pt") for s in range(1, STEPS + 1)}
 
 
-@pytest.mark.long   # make test runs the stricter tests/test_continuation_e2e.py (same kill, every rank's state)
+@pytest.mark.long   # make test kills a rank mid-epoch in tests/test_rank_death_ray_train.py (every rank's state)
 def test_sigkilled_worker_resumes_bit_exact(tmp_path, reference, ray_cluster):  # noqa: F811
     out = tmp_path / "out"
     out.mkdir()

@@ -37,6 +37,10 @@ def _records(out, kind):
                   key=lambda d: d["step"])
 
 
+# long (~45 s, two Ray Train restarts): make test restores sharded state at other world sizes without Ray Train
+# (tests/test_sharded.py, tests/test_hsdp.py) and runs sharded jobs on Ray (tests/test_sharded_ray.py,
+# tests/test_sharded_ray_job.py)
+@pytest.mark.long
 def test_fsdp2_killed_worker_and_resume_at_fewer_workers(tmp_path, ray_cluster):  # noqa: F811
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
