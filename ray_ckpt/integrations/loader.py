@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from ray_ckpt.integrations.epochs import EpochLoop
+
 
 def _is_ray_prepared(loader: Any) -> bool:
     """True for the loader ``ray.train.torch.prepare_data_loader`` returns (it moves batches to the device)."""
@@ -47,7 +49,7 @@ class _SkipAhead:
 _END = object()
 
 
-class ResumableLoader:
+class ResumableLoader(EpochLoop):
     """A map-style ``DataLoader`` (or the loader ``ray.train.torch.prepare_data_loader`` returns) that resumes an
     interrupted epoch exactly. Build it where the loop builds its loader, give it to ``extra_state``, and loop::
 
@@ -103,6 +105,8 @@ class ResumableLoader:
     another rank (a rank that joined a resized group), raised when the loop starts; ``epochs(..., start_step=s)``
     with ``s > 0`` when no state was restored into the wrapper (it was not given to ``extra_state``).
     """
+
+    _CHECKPOINTED = "its epoch and position are checkpointed"
 
     def __init__(self, loader: DataLoader):
         if not isinstance(loader, DataLoader):

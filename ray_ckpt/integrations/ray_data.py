@@ -42,6 +42,8 @@ import time
 import types
 from typing import Any, Iterable, Iterator
 
+from ray_ckpt.integrations.epochs import EpochLoop
+
 log = logging.getLogger("ray_ckpt")
 
 #: ``iter_torch_batches`` keywords that shape the batches: a restore into another value is refused
@@ -151,7 +153,7 @@ class _SkipRows:
         return SkipRows()
 
 
-class ResumableShard:
+class ResumableShard(EpochLoop):
     """A Ray Data shard iterated with ``iter_torch_batches`` that resumes an interrupted epoch exactly. Build it
     from what ``ray.train.get_dataset_shard`` returns, give it to ``extra_state`` and loop::
 
@@ -256,20 +258,6 @@ class ResumableShard:
     def rows(self) -> int:
         """Rows taken in the current (or last) pass, counting those before a restore."""
         return self._rows
-
-    def epochs(self, num_epochs: int, *, start_step: int | None = None) -> Iterator[int]:
-        """The epochs left, ``range(first, num_epochs)``: after a restore ``first`` is the interrupted epoch or the
-        one after it; iterate ``data`` once inside each. ``start_step > 0`` without a restore: RuntimeError."""
-        self._check_own_state()
-        if start_step and not self._restored:
-            raise RuntimeError(f"the run resumes at step {start_step} but this ResumableShard was not restored: give "
-                               f"it to extra_state (attach/Checkpointer/restore) so that its position is "
-                               f"checkpointed with every step")
-        epoch = self._next_epoch()
-        while epoch < num_epochs:
-            self._planned = epoch
-            yield epoch
-            epoch += 1
 
     def _next_epoch(self) -> int:
         if not self._started or (self._resume and not self._ended):
