@@ -38,7 +38,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=10 -m "not ray and not procs" --ignore=tests/reliability tests
 
 # the long fault trials (SIGKILLs at 20 seeded points, 20 s outages...) with the table of their outcomes, then
-# the other long tests (Ray Train SIGKILL and driver restart, the second continuation kill, the full-size fuzz)
+# the other long tests (Ray Train SIGKILL and driver restart, the second continuation kill, the full-size fuzz,
+# the benchmark harness smokes)
 reliability: $(STAMP)
 	$(PY) -m pytest -q tests/reliability --run-long
 	$(PY) -m pytest -q tests --ignore=tests/reliability --run-long -m long

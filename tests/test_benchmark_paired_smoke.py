@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-# under `long` (make reliability): the harness of a benchmark, not what users run; make test keeps the
-# smallest smoke of the main harness (tests/test_benchmarks_smoke.py)
+# under `long` (make reliability): the harness of a benchmark, not what users run
 pytestmark = [pytest.mark.slow, pytest.mark.procs, pytest.mark.long]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,7 @@
 """Smoke test of the benchmark harness: ``python -m benchmarks.run --smoke`` end to end (a configuration of each
-kind under ``long``, every configuration too, and in make test the smallest that still takes every path: a
-baseline and LowDiff through the Ray runtime; the crash-and-restore trials, the JSON / markdown / PNG outputs).
-Never asserts timings."""
+kind, every configuration, and the smallest that still takes every path: a baseline and LowDiff through the Ray
+runtime; the crash-and-restore trials, the JSON / markdown / PNG outputs), all under ``long``. Never asserts
+timings."""
 from __future__ import annotations
 
 import json
@@ -11,13 +11,14 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+# under `long` (make reliability): the benchmark harness, not what users run (make test: 23 s of its ~17 min)
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.long]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# make test: a baseline and LowDiff through the Ray runtime; under `long` (make reliability) one configuration of
-# each saver kind and runtime, and every configuration, the Ray Train ones included
+# the smallest (a baseline and LowDiff through the Ray runtime), one configuration of each saver kind and runtime,
+# and every configuration, the Ray Train ones included
 SMALLEST = ["torch_save_1", "lowdiff_topk_ray"]
 SUBSET = ["torch_save_1", "dcp_async", "lowdiff_topk", "lowdiff_topk_ray", "amber"]
 
@@ -66,7 +67,6 @@ def test_benchmark_smoke(tmp_path, subset):
     assert "LowDiff top-k (ray)" in md and "torch" in md and "Python garbage collector" in md
 
 
-@pytest.mark.long   # the coordinator's scale benchmark (make bench-scale): a harness, not what users run
 def test_coordinator_scale_smoke(tmp_path):
     """``python -m benchmarks.coordinator_scale`` end to end on two short lineages (its own private Ray):
     exact heads and plans on every size (asserted inside), the three outputs, one row per size."""
