@@ -282,8 +282,18 @@ def test_gc_keeps_the_newest_fulls(run_env):
     # next pass (idempotent), which is what a later full (or this explicit call) does
     ray.get(_coord(run).gc.remote(2))
     import os
-    names = sorted(os.listdir(os.path.join(uri, "manifests")))
-    assert [n for n in names if "full" in n] == ["g000001-full-000000000010.json", "g000001-full-000000000020.json"]
+    # the state-tier replica writes the fulls the trainer delegated to it on its own, after close() (every step
+    # is durable by then through its diffs): its write of a full may still be under way (a .tmp- file; seen once)
+    want = ["g000001-full-000000000010.json", "g000001-full-000000000020.json"]
+    deadline = time.monotonic() + 30
+    while True:
+        names = sorted(os.listdir(os.path.join(uri, "manifests")))
+        settled = not any(n.startswith(".tmp-") for n in names)
+        if (settled and [n for n in names if "full" in n] == want) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+        ray.get(_coord(run).gc.remote(2))
+    assert [n for n in names if "full" in n] == want, names
     assert all(int(n.split("-")[-1][:12]) >= 10 for n in names), names  # nothing that ends before the kept chains
     m, o, sc = _fresh()
     assert ray_ckpt.restore(uri, m, o, scheduler=sc, step=13, runtime="ray", run=run) == 13
