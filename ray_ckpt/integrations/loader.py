@@ -151,22 +151,6 @@ class ResumableLoader(EpochLoop):
     def __len__(self) -> int:
         return len(self.loader)
 
-    def epochs(self, num_epochs: int, *, start_step: int | None = None) -> Iterator[int]:
-        """The epochs left to train, ``range(first, num_epochs)``: after a restore ``first`` is the interrupted
-        epoch (mid-way) or the one after it; iterate ``data`` once inside each. ``start_step`` (e.g.
-        ``session.start_step``): when it is > 0 the wrapper must have been restored, otherwise RuntimeError
-        (it was not given to ``extra_state``, and the epoch could not be resumed exactly)."""
-        self._check_own_state()
-        if start_step and not self._restored:
-            raise RuntimeError(f"the run resumes at step {start_step} but this ResumableLoader was not restored: "
-                               f"give it to extra_state (attach/Checkpointer/restore) so that its epoch and "
-                               f"position are checkpointed with every step")
-        epoch = self._next_epoch()
-        while epoch < num_epochs:
-            self._planned = epoch
-            yield epoch
-            epoch += 1
-
     def __iter__(self) -> Iterator:
         self._check_own_state()
         epoch = self._planned if self._planned is not None else self._next_epoch()
