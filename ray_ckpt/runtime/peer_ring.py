@@ -22,6 +22,13 @@ PEER_CACHE_S = 5.0      # the peer is chosen again this often (a node joined, di
 REPLICA_CACHE_S = 2.0   # the replica's handle is looked up again this often
 
 
+def ring_after(me: str, alive) -> list[str]:
+    """The nodes of ``alive`` other than ``me``, in ring order by node id starting after ``me``: the first is the
+    node ``me``'s worker copies to (and where a run's replica goes)."""
+    alive = sorted(alive)
+    return [n for n in alive if n > me] + [n for n in alive if n < me]
+
+
 def staying(nodes: list[str], draining: dict) -> list[str]:
     """``nodes`` without the draining ones, in the same order (all of them when every one drains)."""
     return [n for n in nodes if n not in draining] or nodes
@@ -53,9 +60,7 @@ class PeerRing:
         now = time.monotonic()
         if self._peer is not None and now - self._peer[0] < PEER_CACHE_S:
             return self._peer[1], self._peer[2]
-        alive = sorted(self._alive())
-        others = [n for n in alive if n > self.node_id] + [n for n in alive if n < self.node_id]
-        others = staying(others, self.refresh_draining())
+        others = staying(ring_after(self.node_id, self._alive()), self.refresh_draining())
         handle = self._worker_of(others[0]) if others else None
         self._peer = (now, handle, others[0] if others else "")
         return handle, self._peer[2]

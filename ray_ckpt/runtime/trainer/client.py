@@ -15,6 +15,7 @@ from ray_ckpt.engine.restore import LoadedChain
 from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.runtime import lineages, naming
 from ray_ckpt.runtime.coordinator import get_or_create_coordinator
+from ray_ckpt.runtime.peer_ring import ring_after
 from ray_ckpt.runtime.plan_reader import load_plan
 from ray_ckpt.runtime.replica import get_or_create_replica
 from ray_ckpt.runtime.trainer.sink import RaySink
@@ -200,8 +201,7 @@ def _wait_name_free(name: str, timeout: float = 10.0) -> None:
 def _ring_peer(me: str) -> str | None:
     """The alive node after ``me`` in ring order by node id (None when alone): where the persistence worker of
     ``me`` sends its copies."""
-    alive = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-    others = [n for n in alive if n > me] + [n for n in alive if n < me]
+    others = ring_after(me, [n["NodeID"] for n in ray.nodes() if n.get("Alive")])
     return others[0] if others else None
 
 
