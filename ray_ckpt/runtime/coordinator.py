@@ -148,7 +148,7 @@ class Coordinator(_Upkeep):
         self.metrics = MetricsGate(run)
         self.leasing = LeaseKeeper(Lease(storage, run=run))   # taken by get_or_create_coordinator; renewed here
         self.drains = Drains(state, self.cluster.alive, self.cluster.drain_notice, self.replicas.move_off,
-                             self.healing.forget_dead_nodes)
+                             self.healing.forget_dead_nodes, lambda: self.collector.floor)
         if not hosted:
             threading.Thread(target=self._tick, daemon=True, name="ray_ckpt-metrics").start()
         self._drain_watch = None if hosted else drain_watch.start_coordinator_watch(run)

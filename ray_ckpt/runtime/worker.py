@@ -8,9 +8,10 @@ training process) — and its manifest. The worker
    this node's object store, the *memory tier*;
 2. replicates it to a peer node's worker (:meth:`hold_replica`) and forwards it to the run's state-tier replica
    (:mod:`ray_ckpt.runtime.replica`), both asynchronously — except a *coarse* full (``records_follow: false`` in
-   its manifest info: the overhead budget's every-k mode, where no record follows a full), which is only written:
-   the replica would rebuild itself from it for no record to replay, and the peer copy would cost the node a
-   transfer of the whole state for the moments until the write is done;
+   its manifest info: the overhead budget's every-k mode, where no record follows a full), which is only written
+   (but copied to the peer too on a node that drains): the replica would rebuild itself from it for no record to
+   replay, and the peer copy would cost the node a transfer of the whole state for the moments until the write
+   is done;
 3. writes it to durable storage from a background thread: consecutive diff chunks are laid end to end into one
    object of about ``batch_steps`` steps (segments, :mod:`ray_ckpt.format.segments`: no decode, no re-encode,
    the checksum combined from the chunks'), fulls as they are; each commit is reported.
@@ -172,9 +173,12 @@ class PersistenceWorker:
             raise
         self._hold(m, ref, nbytes, durable=False, replica=False, origin=self.node_id)   # reports it held
         # a coarse full (no record follows it: the overhead budget's every-k mode) is safe once written: no peer
-        # copy and no state-tier replica, whose rebuild from it would serve no record (the restore reads it)
+        # copy and no state-tier replica, whose rebuild from it would serve no record (the restore reads it) —
+        # but on a node that drains it is copied too: its write may not make the deadline (storage slow or
+        # down), and the trainer waits for every step it handed over to be safe before the node goes
         coarse = m.kind == "full" and m.info.get("records_follow") is False
-        peer, peer_node = self._ring.peer() if replicate and not coarse else (None, "")
+        copied = replicate and (not coarse or self._ring.drain_self)
+        peer, peer_node = self._ring.peer() if copied else (None, "")
         if peer is not None:
             self._ring.copy(peer, peer_node, m, ref)
         replica = None if coarse else self._ring.replica()

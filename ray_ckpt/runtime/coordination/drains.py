@@ -31,11 +31,14 @@ class Drains:
     """The drains of one run's lineage (``state``). Coordinator actor thread.
 
     ``alive()``: the alive nodes; ``notify(draining)``: tell the live workers; ``move_replica(draining)``: restart
-    a replica on a draining node; ``forget_dead()``: drop and heal nodes that are gone."""
+    a replica on a draining node; ``forget_dead()``: drop and heal nodes that are gone; ``retained_from()``:
+    ``(generation, step)`` of the oldest full retention keeps (None: no GC yet)."""
 
     def __init__(self, state: LineageState, alive: Callable[[], set], notify: Callable[[dict], None],
-                 move_replica: Callable[[dict], None], forget_dead: Callable[[], None]):
+                 move_replica: Callable[[dict], None], forget_dead: Callable[[], None],
+                 retained_from: Callable[[], tuple[int, int] | None] = lambda: None):
         self.state = state
+        self.retained_from = retained_from
         self.alive = alive
         self.notify = notify
         self.move_replica = move_replica
@@ -125,6 +128,11 @@ class Drains:
         floor = self.state.durable_floor(gen)   # durable_diffs="fulls": a durable full covers the steps before it
         if floor is not None:
             held = range_difference(held, [(0, floor)])
+        # retention retired the steps before the oldest (durable) full it keeps, e.g. the every-k fulls that newer
+        # durable fulls supersede: none of them is the drain's to make safe
+        kept = self.retained_from()
+        if kept is not None and kept[0] == gen and kept[1] > 0:
+            held = range_difference(held, [(0, kept[1] - 1)])
         durable = _intersect(held, durable_lin.reachable_ranges(gen))
         rest = range_difference(held, durable)
         peer = _intersect(rest, safe_lin.reachable_ranges(gen))
