@@ -233,6 +233,37 @@ def test_a_diff_committed_after_gc_collected_its_steps_is_deleted(ray_cluster, t
     assert coord.status()["durable_step"] == 20
 
 
+def test_a_chunk_handed_over_again_is_held_and_written_once(ray_cluster, tmp_path):  # noqa: F811
+    """A hand-off sent again to the same incarnation (its first call's answer was lost: a call Ray retried, or
+    the sender's resend) is not queued again: before, the written step was laid into the next batch too and
+    storage held two objects of it (a suite run saw ``[(1, 4), (1, 1)]``). It is reported safe again."""
+    from ray_ckpt.lineage import Manifest, diff_name, object_key
+    from ray_ckpt.runtime.worker import PersistenceWorker
+    from ray_ckpt.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "ckpt"))
+    w = PersistenceWorker(f"t-{uuid.uuid4().hex[:8]}", storage, 64 << 20, durable_delay=3600.0)
+
+    def chunk(step):
+        name = diff_name(1, step, step)
+        return Manifest(kind="diff", generation=1, first_step=step, last_step=step, object=object_key(name),
+                        nbytes=8, crc32=0, strategy="lowdiff")
+
+    first = chunk(1)
+    w.submit(first.to_json(), [b"12345678"], batch_steps=4, replicate=False)
+    w.flush(timeout=30)                    # step 1 written alone
+    assert storage.exists(first.key)
+    w.poll(1)
+    got = w.submit(first.to_json(), [b"12345678"], batch_steps=4, replicate=False)   # again
+    assert first.name in got["safe"]
+    for s in (2, 3, 4):
+        w.submit(chunk(s).to_json(), [b"12345678"], batch_steps=4, replicate=False)
+    w.flush(timeout=30)
+    keys = sorted(k for k in storage.list("manifests/") if "-diff-" in k)
+    assert [k.rsplit("/", 1)[-1].split(".")[0] for k in keys] == [diff_name(1, 1, 1), diff_name(1, 2, 4)], keys
+    assert w.stats()["received_again"] == 1 and w.stats()["received"] == 4
+
+
 def test_a_chunk_released_before_it_was_written_is_safe_for_its_sender(ray_cluster, tmp_path):  # noqa: F811
     """The coordinator's GC may release a diff the worker has not written yet (a newer durable full took its
     place). The sender waits for every chunk it handed over to be reported safe; before, such a chunk never was,

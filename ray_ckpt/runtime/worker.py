@@ -161,6 +161,8 @@ class PersistenceWorker:
         Its steps are in flight from the start (``receiving``: the coordinator does not call them lost while a
         put into a full object store waits and a later chunk is held) until held (or ``not_received``)."""
         m = Manifest.from_json(manifest_json)
+        if self._received_again(m):
+            return self.poll(m.generation)
         self._channel.add(("receiving", [m]))
         try:
             bufs = shared.resolve(as_buffers(buffers))   # the trainer's shared memory, read in place (copied by put)
@@ -190,6 +192,19 @@ class PersistenceWorker:
         self._stats["received"] += 1
         self._stats["received_bytes"] += nbytes
         return self.poll(m.generation)
+
+    def _received_again(self, m: Manifest) -> bool:
+        """Whether this incarnation holds ``m`` already: a hand-off sent again (its first call's answer was lost,
+        e.g. a call Ray retried) is held and written once — queued again, it was written a second time, laid into
+        a later batch — and, when it is safe by now, reported safe again (the lost answer may have said so)."""
+        with self._cv:
+            h = self._store.get(m.name)
+            if h is None or h.replica or h.manifest != m:   # (another chunk of that name: taken as new)
+                return False
+            if h.durable or h.peer:
+                self._store.mark_safe([m.name])
+        self._stats["received_again"] += 1
+        return True
 
     def poll(self, generation: int) -> dict:
         """This worker's incarnation, the chunks of ``generation`` that became safe since the last poll, and
