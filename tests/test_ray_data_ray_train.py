@@ -74,7 +74,10 @@ def reference(ray_cluster, tmp_path_factory):
     return {r: finals[(r, 0)] for r in (0, 1)}
 
 
+# long: ~65 s with its reference run (make test's 20-minute bound); make test keeps the resume logic
+# (tests/test_resumable_shard.py, tests/test_ray_data_order.py) and the guide's example under Ray Train
 @pytest.mark.ray
+@pytest.mark.long
 def test_worker_killed_mid_epoch_resumes_ray_data_bitwise(tmp_path, reference, ray_cluster, preserve_order):
     out = tmp_path / "out"
     out.mkdir()
