@@ -125,14 +125,15 @@ class Drains:
                            if (node in e.holders or e.origin == node) and e.manifest.generation == gen
                            and (not e.durable or e.manifest.first_step > since)])
         held = _union(rec["held"], held)
-        floor = self.state.durable_floor(gen)   # durable_diffs="fulls": a durable full covers the steps before it
-        if floor is not None:
-            held = range_difference(held, [(0, floor)])
-        # retention retired the steps before the oldest (durable) full it keeps, e.g. the every-k fulls that newer
-        # durable fulls supersede: none of them is the drain's to make safe
+        # steps no drain needs to save: with durable_diffs="fulls", those a durable full covers; and those before
+        # the oldest (durable) full retention keeps, e.g. the every-k fulls newer durable fulls supersede
+        retired = [self.state.durable_floor(gen)]
         kept = self.retained_from()
-        if kept is not None and kept[0] == gen and kept[1] > 0:
-            held = range_difference(held, [(0, kept[1] - 1)])
+        if kept is not None and kept[0] == gen:
+            retired.append(kept[1] - 1)
+        last_retired = max((s for s in retired if s is not None), default=-1)
+        if last_retired >= 0:
+            held = range_difference(held, [(0, last_retired)])
         durable = _intersect(held, durable_lin.reachable_ranges(gen))
         rest = range_difference(held, durable)
         peer = _intersect(rest, safe_lin.reachable_ranges(gen))
