@@ -294,3 +294,31 @@ def test_encoded_buffers_are_not_tracked_by_the_garbage_collector():
     meta, arrays, _ = container.decode(bufs, "x")
     assert meta["steps"] == [1, 2, 3]
     assert all(np.array_equal(arrays[k], tensors[k].numpy()) for k in tensors)
+
+
+def test_an_unsealed_container_is_sealed_where_its_bytes_are_read_into_the_same_object():
+    """The training process's sender encodes a chunk without its data checksum (``unsealed``); the node's worker
+    seals it as it takes the bytes (``segments.seal``): the sealed object is byte for byte the one a checksumming
+    encode gives, in whatever parts the data arrives, and anything but an unsealed container is refused."""
+    from ray_ckpt.format import segments
+    from ray_ckpt.format.framing import unsealed
+    tensors = {"a": torch.randn(1000), "b": torch.arange(7, dtype=torch.int64), "c": torch.ones(3, 5).double()}
+    sealed = container.encode({"k": [1, 2]}, tensors)
+    with unsealed():
+        parts = container.encode({"k": [1, 2]}, tensors)
+    assert container.encode({"k": [1, 2]}, tensors)[0] == sealed[0] != parts[0]   # (outside: checksummed again)
+    with pytest.raises(CorruptObjectError, match="checksum"):   # never stored so: a verified read refuses it
+        container.decode(list(parts), "unsealed")
+    joined = b"".join(bytes(p) for p in sealed)
+    data = b"".join(bytes(p) for p in parts[1:])
+    for split in (list(parts[1:]), [data], [data[:100], data[100:]]):   # as handed over: joined small buffers
+        got = segments.seal([parts[0], *split])
+        assert b"".join(bytes(memoryview(p).cast("B")) for p in got) == joined
+        assert segments.object_crc(got) == segments.object_crc(sealed)
+    container.decode(segments.seal(list(parts)), "sealed")   # verifies
+    with pytest.raises(ValueError, match="sealed already"):
+        segments.seal(list(sealed))
+    with pytest.raises(ValueError, match="first buffer"):
+        segments.seal([b"".join(bytes(p) for p in parts)])   # the first buffer must be the head alone
+    with pytest.raises(ValueError, match="first buffer"):
+        segments.seal([b"not a container at all, just bytes"])

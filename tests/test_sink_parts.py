@@ -50,7 +50,7 @@ class FakeWorker:
         out, self.safe = {"node": "n" * 12, "incarnation": self.incarnation, "safe": self.safe, "error": None}, []
         return out
 
-    def _submit(self, manifest_json, arrays, batch_steps):
+    def _submit(self, manifest_json, arrays, batch_steps, sealed=True):
         self.held.append(Manifest.from_json(manifest_json).name)
         if self.hold_answers:
             self.pending.append(Future())

@@ -34,6 +34,10 @@ from ray_ckpt.format import checksum as _checksum
 from ray_ckpt.format import safejson
 from ray_ckpt.format.framing import ALIGN, MAGIC, MAX_HEADER_BYTES, CorruptObjectError  # noqa: F401 - re-exported
 from ray_ckpt.format.framing import PREFIX as _PREFIX
+from ray_ckpt.format.framing import UNSEALED as _UNSEALED
+from ray_ckpt.format.framing import crc_tail as _crc_tail
+from ray_ckpt.format.framing import head_buffer as _head
+from ray_ckpt.format.framing import unsealed  # noqa: F401 - re-exported
 
 MAX_TENSORS = 1_000_000
 MAX_NDIM = 16
@@ -108,7 +112,8 @@ def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray], *,
     """Encode ``meta`` (JSON-able) and named CPU tensors into the container's buffers, in write order.
 
     ``checksum=False`` skips the data checksum (the header says ``null``): only for in-memory hand-offs that
-    are decoded with ``verify=False`` at once, never for stored objects (a verified read rejects them).
+    are decoded with ``verify=False`` at once, or (within :func:`unsealed`) sealed by :func:`ray_ckpt.format.segments.seal` before they are
+    stored; never for stored objects (a verified read rejects them).
 
     Returns a list of buffers (header first, as ``bytes``, then each tensor's bytes and padding as flat ``uint8``
     numpy arrays: views, no copy) so the storage layer can write them without joining them into one copy.
@@ -121,6 +126,7 @@ def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray], *,
     offset = 0
     crc = 0
     alg = _checksum.DEFAULT
+    checksum = checksum and not _UNSEALED.get()
     for name, t in tensors.items():
         if isinstance(t, Packed):
             n = t.data.nbytes
@@ -152,13 +158,10 @@ def encode(meta: Any, tensors: Mapping[str, torch.Tensor | np.ndarray], *,
             if checksum:
                 crc = _checksum.compute(alg, zeros, crc)
         offset += n + pad
-    tail = (f',"data_crc":{crc}' + (f',"data_crc_alg":{json.dumps(alg)}' if alg != _checksum.CRC32 else "")
-            if checksum else ',"data_crc":null')
+    tail = _crc_tail(crc, alg) if checksum else ',"data_crc":null'
     header = ('{"meta":%s,"tensors":[%s],"data_len":%d%s}'
               % (json.dumps(meta, separators=(",", ":"), allow_nan=True), ",".join(entries), offset, tail)).encode()
-    prefix = _PREFIX.pack(MAGIC, len(header), zlib.crc32(header))
-    head_pad = (-(len(prefix) + len(header))) % ALIGN
-    out: list[bytes | np.ndarray] = [prefix + header + bytes(head_pad)]
+    out: list[bytes | np.ndarray] = [_head(header)]
     out.extend(payloads)
     return out
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 import json
 import zlib
 
+import numpy as np
+
 from ray_ckpt.format import checksum, safejson
 from ray_ckpt.format.framing import ALIGN, MAGIC, MAX_HEADER_BYTES, CorruptObjectError
+from ray_ckpt.format.framing import NULL_TAIL, crc_tail, head_buffer
 from ray_ckpt.format.framing import PREFIX as _PREFIX
 
 MAX_SEGMENTS = 1_000_000
@@ -106,3 +109,29 @@ def object_crc(bufs: list) -> tuple[int, int, str]:
     if n_data != data_len:
         raise ValueError(f"data buffers hold {n_data} bytes, the header says {data_len}")
     return checksum.combine(checksum.compute(alg, head), data_crc, data_len, alg), head.nbytes + data_len, alg
+
+
+def seal(bufs) -> list:
+    """The buffers of a container encoded within :func:`ray_ckpt.format.framing.unsealed` (or the same bytes in
+    other parts, the first holding exactly the prefix, header and padding, as ``encode`` returns it), with its data
+    checksum: the data parts checksummed in one pass (algorithm :data:`ray_ckpt.format.checksum.DEFAULT`), a new
+    first buffer (a ``uint8`` array) whose header holds it, the data parts as they are. ValueError for anything
+    else. Runs where the bytes are read anyway (the persistence worker, on a chunk a training process handed over).
+    """
+    head = memoryview(bufs[0]).cast("B")
+    if head.nbytes < _PREFIX.size:
+        raise ValueError("not a container's first buffer (shorter than its prefix)")
+    magic, header_len, header_crc = _PREFIX.unpack_from(head, 0)
+    header = bytes(head[_PREFIX.size:_PREFIX.size + header_len])
+    if magic != MAGIC or len(header) != header_len or zlib.crc32(header) != header_crc:
+        raise ValueError("not a container's first buffer")
+    if not header.endswith(NULL_TAIL):
+        raise ValueError("the container is sealed already (its header holds a data checksum)")
+    if head.nbytes != len(head_buffer(header)):
+        raise ValueError("the container's first buffer holds more than its prefix, header and padding")
+    alg = checksum.DEFAULT
+    crc = 0
+    for b in bufs[1:]:
+        crc = checksum.compute(alg, b, crc)
+    header = header[:-len(NULL_TAIL)] + (crc_tail(crc, alg) + "}").encode()
+    return [np.frombuffer(head_buffer(header), dtype=np.uint8), *bufs[1:]]

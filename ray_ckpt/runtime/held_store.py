@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ray_ckpt.lineage import Manifest
 from ray_ckpt.lineage.manifest import lazy_diffs
@@ -40,6 +40,20 @@ class HeldStore:
 
     def get(self, name: str) -> Held | None:
         return self.items.get(name)
+
+    def held_again(self, m: Manifest, sealed: bool = True) -> bool:
+        """Whether ``m`` is a chunk this store holds from its sender already (a hand-off sent again); when it is safe
+        by now, it is marked safe again. ``sealed=False``: ``m`` came without its size and checksum (the worker
+        fills them in as it takes the bytes), compared on everything else."""
+        h = self.items.get(m.name)
+        if h is None or h.replica:
+            return False
+        held = h.manifest if sealed else replace(h.manifest, nbytes=m.nbytes, crc32=m.crc32, crc_alg=m.crc_alg)
+        if held != m:   # another chunk of that name: taken as new
+            return False
+        if h.durable or h.peer:
+            self.mark_safe([m.name])
+        return True
 
     def put(self, h: Held) -> None:
         """Hold ``h`` (replacing what was held under its name: a resend)."""

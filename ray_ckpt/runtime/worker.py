@@ -2,10 +2,10 @@
 
 Data path (docs/architecture.md): the training process's sender thread calls :meth:`submit` with one *chunk* —
 a full checkpoint, or the encoded records of one or more consecutive steps (one segment, encoded once in the
-training process) — and its manifest. The worker
+training process, its checksum left to this worker) — and its manifest. The worker
 
-1. ``ray.put``s the chunk's buffers itself (objects put by a training worker die with it): the chunk is held in
-   this node's object store, the *memory tier*;
+1. checksums the chunk's bytes and ``ray.put``s them itself (objects put by a training worker die with it): the
+   chunk is held in this node's object store, the *memory tier*;
 2. replicates it to a peer node's worker (:meth:`hold_replica`) and forwards it to the run's state-tier replica
    (:mod:`ray_ckpt.runtime.replica`), both asynchronously — except a *coarse* full (``records_follow: false`` in
    its manifest info: the overhead budget's every-k mode, where no record follows a full), which is only written
@@ -22,16 +22,17 @@ safe and sends the unsafe ones again to a restarted worker (a new incarnation ho
 restart never opens a hole in the lineage.
 
 Messages to the coordinator (receiving, held, durable, released: :mod:`ray_ckpt.runtime.reports`) go through one
-queue and one thread, in order, batched: one actor call per report interval (50 ms, longer in a wide job: the coordinator answers each call with the
-interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``), not one per step, and none while the
+queue and one thread, in order, batched: one actor call per report interval (50 ms, longer in a wide job: the
+coordinator answers each call with the interval that keeps all its workers' calls near ``REPORT_CALLS_PER_S``),
+not one per step, and none while the
 last one is unanswered (a coordinator that is behind gets fewer, larger calls); they carry the manifests as
 objects (no JSON for the coordinator to parse and validate: the worker validated them on arrival) and no object
 references (a restore plan asks the holders for them: :meth:`PersistenceWorker.holder_refs`).
 
 With ``durable_diffs="fulls"`` (in the chunk's manifest info) a diff chunk is *lazy*: it is written only on
 flush, under memory pressure, or when it is not held on a second node (no peer acknowledged it within
-``LAZY_GRACE_S``, or its peer is no longer the ring's next node; on a one-node cluster always); once a durable full of its generation covers
-its steps (:meth:`cover`, from the coordinator), it is dropped from the write queue and becomes releasable.
+``LAZY_GRACE_S``, or its peer is no longer the ring's next node; on a one-node cluster always); once a durable
+full of its generation covers its steps (:meth:`cover`, from the coordinator), it is dropped from the write queue and becomes releasable.
 
 Memory is bounded by ``memory_budget`` bytes: durable objects are released oldest first (the newest full is
 kept); an object that is not durable is never released, whoever holds it. When nothing is releasable,
@@ -54,8 +55,8 @@ import ray
 from ray_ckpt.engine.lineage_io import unhide
 from ray_ckpt.lineage import Manifest
 from ray_ckpt.runtime import metrics as _metrics
-from ray_ckpt.runtime import lineages, naming, shared
-from ray_ckpt.runtime.buffers import as_buffers
+from ray_ckpt.runtime import lineages, naming
+from ray_ckpt.runtime.buffers import as_buffers, taken
 from ray_ckpt.runtime.control_relay import CONTROL_RELAY_S, CONTROL_STALE_S, ControlRelay
 from ray_ckpt.runtime.drain import draining_nodes
 from ray_ckpt.runtime.held_store import Held, HeldStore
@@ -154,21 +155,22 @@ class PersistenceWorker:
                 self._channel.add(("release", released))
 
     # -- remote API: training processes --------------------------------------------------------------------------
-    def submit(self, manifest_json: bytes, buffers: list, batch_steps: int = 1, replicate: bool = True) -> dict:
+    def submit(self, manifest_json: bytes, buffers: list, batch_steps: int = 1, replicate: bool = True,
+               sealed: bool = True) -> dict:
         """Take one encoded chunk from a training process: hold, replicate, forward to the replica, persist.
+
+        ``sealed=False``: encoded without its data checksum, which is computed here, off the training process
+        (:func:`ray_ckpt.runtime.buffers.taken`).
 
         Returns ``{"node": node id, "incarnation": id, "safe": [chunk names safe since the last answer]}``.
         Its steps are in flight from the start (``receiving``: the coordinator does not call them lost while a
         put into a full object store waits and a later chunk is held) until held (or ``not_received``)."""
         m = Manifest.from_json(manifest_json)
-        if self._received_again(m):
+        if self._received_again(m, sealed):
             return self.poll(m.generation)
         self._channel.add(("receiving", [m]))
         try:
-            bufs = shared.resolve(as_buffers(buffers))   # the trainer's shared memory, read in place (copied by put)
-            nbytes = sum(memoryview(b).nbytes for b in bufs)
-            if nbytes != m.nbytes:
-                raise ValueError(f"chunk {m.name} arrived with {nbytes} bytes, its manifest says {m.nbytes}")
+            bufs, m, nbytes = taken(m, buffers, sealed)   # the trainer's shared memory read in place, sealed
             ref = ray.put(bufs)  # this actor owns the copy (ray.put's _owner is gone since Ray 2.56)
         except BaseException:
             self._channel.add(("not_received", [m.name]))
@@ -193,16 +195,13 @@ class PersistenceWorker:
         self._stats["received_bytes"] += nbytes
         return self.poll(m.generation)
 
-    def _received_again(self, m: Manifest) -> bool:
+    def _received_again(self, m: Manifest, sealed: bool = True) -> bool:
         """Whether this incarnation holds ``m`` already: a hand-off sent again (its first call's answer was lost,
         e.g. a call Ray retried) is held and written once — queued again, it was written a second time, laid into
         a later batch — and, when it is safe by now, reported safe again (the lost answer may have said so)."""
         with self._cv:
-            h = self._store.get(m.name)
-            if h is None or h.replica or h.manifest != m:   # (another chunk of that name: taken as new)
+            if not self._store.held_again(m, sealed):
                 return False
-            if h.durable or h.peer:
-                self._store.mark_safe([m.name])
         self._stats["received_again"] += 1
         return True
 

@@ -45,7 +45,7 @@ import ray
 
 from ray_ckpt.engine.writer import BoundedSink, FlushMarker, WriterError
 from ray_ckpt.format import records as rec_fmt
-from ray_ckpt.format import segments
+from ray_ckpt.format import checksum, framing
 from ray_ckpt.format.records import FullState
 from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.runtime import metrics as _metrics
@@ -289,14 +289,17 @@ class RaySink(BoundedSink):
 
     def _handoff(self, items: list, full: bool = False) -> None:
         t0 = time.perf_counter()
+        with framing.unsealed():   # the worker checksums the bytes as it takes them (segments.seal)
+            if full:
+                state = items[0][0]
+                bufs, info = rec_fmt.encode_full(state), dict(getattr(state, "manifest_info", None) or {})
+            else:
+                recs = [r for r, _ in items]
+                bufs, info = self.impl.encode_diffs(recs)
         if full:
-            state = items[0][0]
-            bufs, info = rec_fmt.encode_full(state), dict(getattr(state, "manifest_info", None) or {})
             kind, first, last = "full", state.step, state.step
             name = full_name(self.generation, state.step)
         else:
-            recs = [r for r, _ in items]
-            bufs, info = self.impl.encode_diffs(recs)
             info = dict(info)
             delegated = [r.step for r in recs if getattr(r, "full_delegated", False)]
             if delegated:
@@ -305,15 +308,16 @@ class RaySink(BoundedSink):
             first = info.pop("first_step", recs[0].step)
             name = diff_name(self.generation, first, last)
             info.update(self.durable.info())   # "auto": the bandwidth may not carry every diff
-        crc, n, alg = segments.object_crc(bufs)
+        n = sum(memoryview(b).nbytes for b in bufs)
+        # unsealed: the worker fills in the size and checksum of the sealed object (PersistenceWorker.submit)
         m = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
-                     object=object_key(name), nbytes=n, crc32=crc, crc_alg=alg, strategy=self.impl.name,
+                     object=object_key(name), nbytes=n, crc32=0, crc_alg=checksum.DEFAULT, strategy=self.impl.name,
                      info={**self.info, **info})
         shared = None
         if not full and self.transport.arena is not None:
             shared = {id(r.packed.array): r.packed.handle for r, _ in items
                       if getattr(r, "packed", None) is not None and r.packed.handle is not None}
-        c = Chunk(m, coalesce(bufs, shared), sum(s for _, s in items), [r for r, _ in items])
+        c = Chunk(m, coalesce(bufs, shared), sum(s for _, s in items), [r for r, _ in items], sealed=False)
         if shared:
             c.plain = coalesce(bufs)
             self.shared_chunks += 1

@@ -74,6 +74,9 @@ class Chunk:
     records: list       # the captured records whose buffers ``arrays`` views: recycled once the chunk is safe
     plain: list | None = None   # ``arrays`` with the bytes of its shared-memory descriptors (the fallback)
     t: float = 0.0              # when it was handed over (monotonic): its time to become safe is measured
+    #: False: encoded without its data checksum (:func:`ray_ckpt.format.framing.unsealed`), which the worker
+    #: computes as it takes the bytes, filling in the manifest's ``nbytes`` and ``crc32``
+    sealed: bool = True
 
 
 def refused_shared(e: BaseException) -> bool:
@@ -136,7 +139,7 @@ class Transport:
         c.t = time.monotonic()
         self.unsafe[c.manifest.name] = c
         try:
-            ref = self.worker.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps)
+            ref = self.worker.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps, sealed=c.sealed)
         except RETRYABLE:
             self.send_sync(c)
             return
@@ -149,7 +152,8 @@ class Transport:
         """Hand ``c`` over and wait for the answer (its bytes instead of descriptors once shared memory is
         refused)."""
         def call():
-            return self.call(lambda w: w.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps),
+            return self.call(lambda w: w.submit.remote(c.manifest.to_json(), c.arrays, self.batch_steps,
+                                                           sealed=c.sealed),
                              f"hand-off of {c.manifest.name}")
         try:
             reply = call()
