@@ -24,9 +24,10 @@ from ray_ckpt.engine.targets import check_params, unwrap
 from ray_ckpt.engine.runtimes import LocalRuntime, TrainerRuntime
 from ray_ckpt.lineage.layout import POINTER_FILE
 from ray_ckpt.lineage.pointer import read_pointer
-from ray_ckpt.policy.budget import BudgetPolicy, StepMeter
+from ray_ckpt.policy.budget import BudgetPolicy
 from ray_ckpt import storage as _storage
 from ray_ckpt.engine import consolidate as _consolidate
+from ray_ckpt.engine import metering
 from ray_ckpt.engine import shard_layout as _layout
 from ray_ckpt.engine.sharded import restore_sharded
 
@@ -185,7 +186,8 @@ class Checkpointer:
         (:meth:`~ray_ckpt.engine.runtimes.TrainerRuntime.secure_first_full`). Training thread, at attach."""
         if self.shard_spec is not None:
             self._capture.sharding = _layout.sharding_info(self.shard_spec)
-        self._capture.meter = _meter(self._sink, self._on_window)
+        calibrated = metering.calibrate(self._capture, self._sink, policy, self.startup)
+        self._capture.meter = metering.step_meter(self._sink, self._on_window, first_short=calibrated)
         self._sink.attach_capture(self._capture, start_step)   # (the Ray sender publishes its metrics)
         full = self._capture.snapshot_now()   # (coarse when resumed in the every-k mode)
         policy.hint_full(self._capture.last_snapshot_seconds or 0.0, full.nbytes)
@@ -316,32 +318,6 @@ def _watch_drains(rt: TrainerRuntime, sink):
         return None
     from ray_ckpt.runtime.trainer.drain_watch import watch_sink
     return watch_sink(sink, node=rt.watches_node_drains)
-
-
-def _meter(sink, on_window) -> StepMeter:
-    """The training thread's per-step measurements for the overhead budget (CPU clocks read once a window). The
-    other CPU is the sink's background thread's own clock: the process's other threads (gloo's or NCCL's, data
-    loaders', Ray's) work for training as much without checkpointing. Without a per-thread clock: the process's CPU
-    outside the training thread (conservative)."""
-    st = sink.stats
-    if sink.measures_cpu:
-        def cpu():
-            return sink.background_cpu(), time.thread_time(), _run_queue_wait()
-    else:
-        def cpu():
-            t = time.thread_time()
-            return time.process_time() - t, t, _run_queue_wait()
-    return StepMeter(clock=time.perf_counter, cpu=cpu, counters=lambda: (st.stall_seconds, st.bytes_written),
-                     on_window=on_window)
-
-
-def _run_queue_wait() -> float:
-    """Seconds the calling thread has waited for a core (Linux schedstat; 0.0 elsewhere). Training thread."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def _resolve_config(config: CheckpointConfig | None, overrides: dict, rt: TrainerRuntime, impl,

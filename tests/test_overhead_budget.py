@@ -85,6 +85,40 @@ def test_a_first_measurement_far_over_the_budget_leaves_every_step_at_once():
     assert r.mode == "every_step"
 
 
+def test_a_calibration_at_attach_decides_at_the_first_short_window():
+    """The cost of a recorded step measured at attach decides as soon as the first window gives the step time:
+    over the budget, a full every k steps from the first window on (no window records every step at full cost
+    first); within it, every step. A pinned granularity, a budget of 0 and a resumed attempt take no calibration;
+    the step meter's first window closes after its ``min_steps`` steps when told so."""
+    changes = []
+    p = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, on_change=changes.append)
+    p.hint_full(0.002, 8e6)
+    assert p.wants_calibration and p.calibrate(0.003)            # 3 ms per recorded step
+    assert p.mode == "every_step" and "calibrated at attach" in p.reason and not changes
+    p.observe(_w(0.2, step_ms=10.0))                              # the first window: a 9.8 ms step, 5 % = 0.49 ms
+    assert p.mode in ("every_k", "fulls_only") and p.k >= 2 and "calibrated at attach" in changes[0]["reason"]
+    assert p.decide(_ctx(9, 0)).record and not p.recording        # the switch: the last recorded step
+    assert not p.wants_calibration and not p.calibrate(0.003)     # once only
+    q = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05)
+    assert q.calibrate(0.0002)                                    # 0.2 ms of a 9.8 ms step: fits
+    q.observe(_w(0.2, step_ms=10.0))
+    assert q.mode == "every_step" and "every step recorded" in q.reason and q.calibrated is None
+    for pinned in (BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, pin=1),
+                   BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.0),
+                   BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05, granular=False)):
+        assert not pinned.wants_calibration and not pinned.calibrate(1.0)
+    r = BudgetPolicy(FixedFrequencyPolicy(100, 10), 0.05)
+    assert r.resume({"mode": "every_k", "k": 7, "budget": 0.05}) and not r.calibrate(1.0) and r.k == 7
+    t = {"cpu": (0.0, 0.0)}
+    got = []
+    m = StepMeter(clock=None, cpu=lambda: t["cpu"], window_s=1.0, min_steps=4, on_window=got.append,
+                  first_short=True)
+    for _ in range(3):
+        m.tick(0.01, 0.001, 0.002)
+    assert m.tick(0.01, 0.001, 0.002) is not None and len(got) == 1   # 40 ms, not a second: the first only
+    assert all(m.tick(0.01, 0.001, 0.002) is None for _ in range(20))
+
+
 def _win(other_ms: float, *, fulls=0, snapshot_ms=0.0, steps=10, recorded=False, step_ms=10.0) -> Window:
     return Window(steps=steps, step_s=step_ms / 1e3, capture_s=0.1e-3 + snapshot_ms / 1e3 / steps, optimizer_s=1e-3,
                   stall_s=0.0, other_cpu_s=other_ms / 1e3, fulls=fulls, snapshot_s=snapshot_ms / 1e3, bytes=1e6,
@@ -367,6 +401,32 @@ def test_expensive_loop_records_a_full_every_k_steps_and_each_restores_bitwise(t
     assert cli_main(["ls", uri]) == 0
     out = capsys.readouterr().out
     assert "overhead budget: recovery points every" in out and "GAP" not in out, out
+
+
+def test_an_expensive_loop_leaves_every_step_after_its_first_window_by_calibration(tmp_path):
+    """Defaults but the budget: the calibration at attach (a sample record's capture and encode) decides at the
+    first window, 8 steps in — not after seconds of windows recording every step — and the points it leaves restore
+    bitwise."""
+    width, uri = 256, str(tmp_path / "ck")
+    m, opt = _model(width)
+    ck = ray_ckpt.Checkpointer(uri, m, opt, overhead_budget=0.0001, keep_fulls=0)   # 0.01 %: nothing fits
+    assert ck.startup["calibration"] > 0 and "calibrated at attach" in ck.budget.reason
+    step = 0
+    while ck.budget.mode == "every_step":
+        step += 1
+        _step(m, opt, step, width)
+        assert step <= 12, ck.budget.reason
+    assert "calibrated at attach" in ck.budget.changes[0]["reason"]
+    for _ in range(3 * ck.budget.k):
+        step += 1
+        _step(m, opt, step, width)
+    ck.close()
+    lineage, _ = load_lineage(open_storage(uri))
+    gen = lineage.generations[-1]
+    recorded = [s for mm in lineage.manifests if mm.kind == "diff" for s in range(mm.first_step, mm.last_step + 1)]
+    assert recorded and max(recorded) <= 12 and lineage.uncovered_steps(gen) == []
+    fulls = sorted(mm.last_step for mm in lineage.manifests if mm.kind == "full")
+    _assert_points_restore_bitwise(uri, width, [max(recorded), fulls[-2], step])
 
 
 def test_cheap_loop_keeps_every_step(tmp_path):

@@ -110,7 +110,7 @@ def test_retention_keeps_the_base_of_each_ranks_loop_chain(tmp_path):
     opt, other_opt = T.make_optimizer("adamw", model), T.make_optimizer("adamw", other)
     rng = {}
     with ray_ckpt.Checkpointer(uri, model, opt, full_every=FULL_EVERY, batch_steps=2, policy="fixed",
-                               keep_fulls=0) as ck:
+                               keep_fulls=0, recovery_every=1) as ck:
         rank = RankLoopRecorder(ck.storage, 1, other, other_opt, main_generation=ck.generation, start_step=0,
                                 full_every=100, batch_steps=4, max_batch_delay=0)
         for s in range(STEPS):

@@ -364,6 +364,12 @@ class CaptureBase:
     def _after_submit(self, rec: Any, decision: StepDecision, full: FullState | None) -> None:
         """Called after ``rec`` went to the sink and before ``full`` does. Default: nothing."""
 
+    def sample_record(self) -> Any:
+        """A record as the hooks would take one for the next step, for the overhead budget's calibration at attach
+        (training thread, before the first step); never handed over, its buffers go back with
+        :func:`ray_ckpt.format.records.recycle`. None: this strategy has no such record (default)."""
+        return None
+
     # -- hooks ---------------------------------------------------------------------------------------------
     def _pre_hook(self, optimizer, args, kwargs):
         t0 = time.perf_counter()

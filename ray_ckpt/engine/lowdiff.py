@@ -18,7 +18,7 @@ from ray_ckpt.config import LowDiff
 from ray_ckpt.engine import grad_support
 from ray_ckpt.engine.capture import CaptureBase, PackedLayout, PackedPool
 from ray_ckpt.engine.dtensor import local
-from ray_ckpt.engine.loopstate import apply_group_values, group_values
+from ray_ckpt.engine.loopstate import apply_group_values, group_values, rng_state
 from ray_ckpt.format import records as rec_fmt
 from ray_ckpt.format.records import FullState, GradEntry, StepRecord
 
@@ -88,6 +88,28 @@ class LowDiffCapture(CaptureBase):
                 g = local(g)       # FSDP2: the gradient shard this rank's optimizer step consumes
                 grads.append(GradEntry(tuple(g.shape), self._copy.pooled(g)))
         self._consumed = (grads, group_values(optimizer, self._copy.tree))
+
+    def sample_record(self) -> StepRecord:
+        """The record of a step as the hooks take it (see :meth:`CaptureBase.sample_record`), the parameters
+        standing in for the gradients (same shapes, dtypes and devices): the copy into the capture's buffers, the
+        RNG and loop state, the model buffers. Training thread, at attach."""
+        with self._lock:
+            if self._packed_pool is not None:
+                packed = self._packed_pool.take()
+                torch._foreach_copy_(packed.views, [p.detach() for p in self.params])
+                grads, pooled = list(packed.entries), (self._packed_pool, [packed])
+            else:
+                packed = None
+                grads = [GradEntry(tuple(local(p).shape), self._copy.pooled(p)) for p in self.params]
+                pooled = self._copy.take_pooled()
+            loop = {"rng": rng_state()} if self.capture_rng else {}
+            loop.update(self._loop_tail())
+            buffers = {n: self._copy(b) for n, b in self._buffers} if self.capture_buffers else {}
+            rec = StepRecord(step=self.step + 1, grads=grads, hparams=group_values(self.optimizer, self._copy.tree),
+                             loop=loop, buffers=buffers)
+            rec.packed, rec.pooled = packed, pooled
+            rec.ready = self._copy.event()
+        return rec
 
     def _make_record(self, step: int, loop: dict, buffers: dict) -> StepRecord:
         if getattr(self, "_unrecorded", False):   # only a full of this step may be taken: loop state, no gradients

@@ -9,6 +9,7 @@ has no such capability, so that callers (``Checkpointer``, the captures) never a
 Call order, all in the training process::
 
     host_memory(nbytes)          training thread, while the capture sizes its buffers
+    handoff_cpu(record)          training thread, at attach (the overhead budget's calibration)
     attach_capture(capture, s)   training thread, once, before the attach full
     previous_granularity()       training thread, at attach (a restart starts from the measured granularity)
     submit(item)                 training thread, every recorded step; may block (backpressure)
@@ -100,6 +101,13 @@ class Sink:
         policy's fulls itself (the state tier's replica), so the trainer takes none; ``wanted`` — take a full at
         the next step whatever the policy says (a gap in the lineage, a lost or diverged replica)."""
         return False, False
+
+    def handoff_cpu(self, record: Any) -> float:
+        """CPU seconds this process spends handing ``record`` over beyond its capture, measured by doing this
+        sink's per-record work on it in the calling thread (its encode; the checksum where this process computes
+        it), without handing it over (training thread, at attach: the overhead budget's calibration). Default:
+        0.0 (a sink that hands nothing over)."""
+        return 0.0
 
     def host_memory(self, nbytes: int) -> Any:
         """Memory for one of the capture's per-step gradient buffers: ``(zeroed uint8 CPU tensor, handle)``, or

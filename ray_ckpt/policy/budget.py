@@ -101,9 +101,13 @@ class StepMeter:
     ``() -> (stall_seconds, bytes_handed_over)`` of the sink (cumulative). ``on_window`` gets each
     :class:`Window` (training thread)."""
 
-    def __init__(self, *, clock, cpu, counters=None, window_s: float = 1.0, min_steps: int = 8, on_window=None):
+    def __init__(self, *, clock, cpu, counters=None, window_s: float = 1.0, min_steps: int = 8, on_window=None,
+                 first_short: bool = False):
         self.clock, self.cpu, self.counters = clock, cpu, counters
         self.window_s, self.min_steps = window_s, min_steps
+        #: the first window closes after ``min_steps`` steps, whatever their time: it gives the step time a
+        #: calibrated cost is compared with (:meth:`BudgetPolicy.calibrate`)
+        self.first_short = first_short
         self.on_window = on_window
         self.last: Window | None = None        #: the latest window closed
         self.windows = 0
@@ -141,7 +145,8 @@ class StepMeter:
         self._hook += hook_s
         self._hook_cpu += hook_s if hook_cpu_s is None else hook_cpu_s
         self._opt += optimizer_s
-        if self._n < self.min_steps or self._wall - self._paused < self.window_s:
+        if self._n < self.min_steps or (self._wall - self._paused < self.window_s
+                                        and not (self.first_short and self.windows == 0)):
             return None
         c1 = self.cpu()
         b1, b0 = c1[0], self._cpu0[0]
@@ -219,6 +224,8 @@ class BudgetPolicy:
         self._quiet = False   #: the latest unrecorded window held no full
         #: the background thread's CPU per step while no full is handed over (seconds; its polls and reports)
         self._idle_other: float | None = None
+        #: what recording one step costs, measured at attach (:meth:`calibrate`; seconds), or None
+        self.calibrated: float | None = None
         self._pre_drain: tuple | None = None   #: (mode, k) when a drain notice came
         self.draining = draining
         self._drained = False  #: every step recorded because of a drain notice (until it is withdrawn)
@@ -306,6 +313,38 @@ class BudgetPolicy:
     def hint_full(self, snapshot_s: float, nbytes: float) -> None:
         """The attach full: ``snapshot_s`` on the training thread for ``nbytes`` (training thread)."""
         self._snapshot_hint, self._bytes_hint = snapshot_s, nbytes
+
+    @property
+    def wants_calibration(self) -> bool:
+        """Whether :meth:`calibrate` would be used (the budget chooses, and has not chosen yet)."""
+        return self.granular and self.budget > 0 and not self.pin and self.mode == "every_step" and not self._seen
+
+    def calibrate(self, step_cost: float) -> bool:
+        """What recording one step costs the training process, measured at attach before the first step (one
+        capture of the state's bytes and its hand-off's encode, timed on the training thread: see
+        ``Checkpointer``). The first decision then comes from it, at the close of the first window — short: its
+        steps give the step time (:class:`StepMeter` ``first_short``) — instead of from windows that record every
+        step at full cost: over the budget, a full every k steps from there; within it, every step, as measured on
+        (the windows that follow correct either). Ignored (False) when the budget does not choose (0, pinned, a
+        strategy only measured) or a previous attempt's granularity was resumed. Training thread."""
+        if not self.wants_calibration or not step_cost >= 0:
+            return False
+        self.calibrated = self.step_cost = float(step_cost)
+        self.reason = f"calibrated at attach: a recorded step costs {_ms(step_cost)} (measuring the step time)"
+        return True
+
+    def _first_decision(self) -> None:
+        """The first window's step time against the calibrated cost (see :meth:`calibrate`)."""
+        cost, allowed = self.calibrated, self.budget * self.base_s
+        self.calibrated = None
+        why = (f"calibrated at attach: a recorded step costs {_ms(cost)} of a {_ms(self.base_s)} step "
+               f"({_pct(cost / self.base_s)}")
+        if cost <= allowed:
+            self.reason = f"{why}, budget {_pct(self.budget)}): every step recorded"
+            return
+        self._set(self._k_for(allowed), f"{why} > budget {_pct(self.budget)})")
+        self._switch_to = "every_k"
+        self._tail = True     # the next unrecorded window still hands over the last recorded steps
 
     # -- training thread, per step ---------------------------------------------------------------------------
     def decide(self, ctx: StepContext) -> StepDecision:
@@ -398,6 +437,9 @@ class BudgetPolicy:
                 c = self._k_cost / self._k_fulls
                 self.full_cost = c if self.full_cost is None else 0.5 * self.full_cost + 0.5 * c
                 self._k_cost, self._k_fulls = 0.0, 0
+        if self.calibrated is not None and not self._drained and self.mode == "every_step":
+            self._first_decision()
+            return
         if self._seen <= self.warmup or self.budget <= 0 or not self.granular or self.pin:
             if self.pin:
                 pass   # the reason set at construction (or by a drain notice) stands

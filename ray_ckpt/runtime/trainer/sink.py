@@ -66,6 +66,8 @@ _REAP_S = 0.05          # how soon an idle sender collects the answers of hand-o
 
 
 class RaySink(BoundedSink):
+    checksums_here = False   # the node's worker seals each chunk (PersistenceWorker.submit)
+
     def __init__(self, run: str, storage, impl, generation: int, *, config, info: dict | None = None,
                  replica: bool = False, submit_retries: int = 20):
         # at most batch_steps records wait for the sender (plus the chunk it is collecting): a sender that falls
