@@ -64,15 +64,16 @@ def test_the_worker_reads_the_trainers_shared_memory_and_refuses_a_stale_one():
     arena = SharedArena(1 << 20)
     pool = PackedPool(PackedLayout(list(torch.nn.Linear(9, 3).parameters())), allocate=arena.allocate)
     b = pool.take()
-    assert b.handle is not None and not b.flat.any()          # fresh shared memory: zero padding
+    d = arena.describe(b.array)
+    assert d is not None and not b.flat.any()                 # fresh shared memory: zero padding
     b.flat[:] = torch.arange(b.nbytes) % 251
-    head, view = resolve([b"head", b.handle])
+    head, view = resolve([b"head", d])
     assert head == b"head" and np.array_equal(view, b.array) and not view.flags.writeable
-    stale = b.handle[:3] + (b.handle[3] + 1,) + b.handle[4:]
+    stale = d[:3] + (d[3] + 1,) + d[4:]
     with pytest.raises(SharedMemoryUnavailable):
         resolve([stale])
     pool.give([b])
     assert pool.take() is b                                    # recycled, not allocated again
     arena.close()
     assert arena.allocate(64) is None                          # a closed arena: heap memory from then on
-    assert pool.take().handle is None
+    assert arena.describe(pool.take().array) is None        # (heap memory is not the arena's)

@@ -46,7 +46,7 @@ def test_a_replica_fed_an_older_full_after_a_newer_one_follows_the_newer(tmp_pat
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
-    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=10, keep_fulls=0):
+    with ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, full_every=10, keep_fulls=0, recovery_every=1):
         for s in range(20):
             T.train_step("mlp", model, opt, sch, s)
     storage = open_storage(uri)

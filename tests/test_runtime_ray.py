@@ -101,16 +101,13 @@ def test_a_worker_that_cannot_map_the_trainers_memory_is_handed_the_bytes(run_en
     back, and the later refusals are of chunks already given their bytes); every step restores bitwise from
     both tiers."""
     from ray_ckpt.runtime.trainer import arena as shared
-    real = shared.SharedArena.allocate
+    real = shared.SharedArena.describe
 
-    def unmappable(self, nbytes):
-        got = real(self, nbytes)
-        if got is None:
-            return None
-        t, d = got
-        return t, d[:3] + (d[3] + 1,) + d[4:]          # (tag, pid, fd, inode + 1, offset, size)
+    def unmappable(self, buf):
+        d = real(self, buf)
+        return None if d is None else d[:3] + (d[3] + 1,) + d[4:]   # (tag, pid, fd, inode + 1, offset, size)
 
-    monkeypatch.setattr(shared.SharedArena, "allocate", unmappable)
+    monkeypatch.setattr(shared.SharedArena, "describe", unmappable)
     run, uri = run_env
     ck, *_ = _train(uri, run, 20, shared_handoff=True, batch_steps=1, handoff_delay=0.0)
     ck.flush()

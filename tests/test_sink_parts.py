@@ -140,3 +140,31 @@ def test_the_durable_choice_holds_diffs_back_when_the_bandwidth_does_not_carry_t
         d.measure(now + 0.1, worker, diffs)  # reads the answer
     assert d.write_bw == 10 << 20 and d.choice == "fulls" and d.info() == {"durable_diffs": "fulls"}
     assert DurableChoice("fulls").info() == {} and DurableChoice("all").stats()["reason"] == "set by the user"
+
+
+def test_a_full_in_the_arena_is_named_not_carried_and_its_buffers_are_kept_for_the_next():
+    """A full's tensors taken from a pool backed by the sink's shared memory lie in the arena: the hand-off names
+    them by descriptor (large ones; small buffers are carried), and the worker's side reads the same bytes from
+    the descriptor. Given back, they are kept whatever the pool's byte bound (the arena never frees them)."""
+    import torch
+
+    from ray_ckpt.engine.capture import SHARED_MIN_BYTES, HostPool
+    from ray_ckpt.runtime import shared
+    from ray_ckpt.runtime.trainer.arena import SharedArena
+    arena = SharedArena(8 << 20)
+    pool = HostPool(max_bytes=0, allocate=arena.allocate)
+    big = pool.take(torch.Size([SHARED_MIN_BYTES // 4, 2]), torch.float32)
+    small = pool.take(torch.Size([10]), torch.float32)
+    big.copy_(torch.arange(big.numel(), dtype=torch.float32).view_as(big))
+    small.fill_(3.0)
+    heap = np.ones(SMALL_BUFFER, np.uint8)
+    raw = [b"head", big.numpy().reshape(-1).view(np.uint8), small.numpy().view(np.uint8), heap]
+    out = coalesce(raw, describe=arena.describe)
+    assert shared.is_descriptor(out[1]) and not any(shared.is_descriptor(o) for o in out[2:]), out
+    assert arena.describe(small.numpy()) is None    # under SHARED_MIN_BYTES: heap memory
+    assert arena.describe(heap) is None and arena.describe(b"bytes") is None
+    assert bytes(shared.resolve([out[1]])[0]) == bytes(raw[1])
+    pool.give([big, small])
+    assert pool.take(big.shape, big.dtype) is big      # kept although max_bytes=0: it lives in the arena
+    assert pool.take(small.shape, small.dtype) is not small   # a heap buffer beyond the bound: dropped
+    arena.close()

@@ -48,6 +48,11 @@ from ray_ckpt.policy import FrequencyPolicy, StepContext, StepDecision
 
 
 # ------------------------------------------------------------------------------------------------------------
+#: a pooled buffer at least this large lives in the sink's shared memory when it has some (a smaller one is carried
+#: with the chunk's other small buffers: ``ray_ckpt.runtime.trainer.transport.SMALL_BUFFER``)
+SHARED_MIN_BYTES = 64 << 10
+
+
 class HostPool:
     """Recycled host buffers for the dense copies a capture takes every step (CPU training).
 
@@ -63,11 +68,15 @@ class HostPool:
     the same figure, so the pool never holds more than the sink may).
     """
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = 256 << 20, allocate: Callable | None = None):
         self.max_bytes = max_bytes
+        #: ``allocate(nbytes) -> (uint8 tensor, handle) | None``: memory for a new buffer (a sink's shared memory:
+        #: its buffers are named to the node's worker, not copied); None, or no ``allocate``: heap memory
+        self.allocate = allocate
         self.free_bytes = 0
         self._free: dict = collections.defaultdict(list)
         self._lock = threading.Lock()
+        self._shared: set = set()   # ids of the buffers in the sink's memory: always kept (never freed there)
         self.allocated = 0      #: buffers allocated (a miss)
         self.reused = 0         #: buffers taken from the pool (a hit)
 
@@ -81,13 +90,20 @@ class HostPool:
                 self.free_bytes -= t.numel() * t.element_size()
                 return t
             self.allocated += 1
-        return torch.empty(shape, dtype=dtype)
+        n = math.prod(shape) * dtype.itemsize
+        got = self.allocate(n) if self.allocate is not None and n >= SHARED_MIN_BYTES else None
+        if got is None:
+            return torch.empty(shape, dtype=dtype)
+        t = got[0].view(dtype).view(shape)
+        with self._lock:
+            self._shared.add(id(t))
+        return t
 
     def give(self, tensors: list) -> None:
         with self._lock:
             for t in tensors:
                 n = t.numel() * t.element_size()
-                if self.free_bytes + n <= self.max_bytes:
+                if id(t) in self._shared or self.free_bytes + n <= self.max_bytes:
                     self._free[(tuple(t.shape), t.dtype)].append(t)
                     self.free_bytes += n
 
@@ -99,14 +115,14 @@ class PackedGrads:
     container.Packed`) and the Ray runtime as one array — no work per tensor after the copy. The views, the
     :class:`GradEntry` objects and the encoder's description are built once per buffer and reused with it.
 
-    ``handle``: where the buffer lives when a sink provided the memory (the Ray runtime's shared memory, which the
-    node's worker reads without a copy in this process: :mod:`ray_ckpt.runtime.shared`), else None.
+    ``flat`` may lie in a sink's shared memory (the Ray runtime's: the sender then names it to the node's worker
+    instead of carrying its bytes, :mod:`ray_ckpt.runtime.shared`).
     """
 
-    __slots__ = ("flat", "array", "views", "entries", "nbytes", "handle", "_items")
+    __slots__ = ("flat", "array", "views", "entries", "nbytes", "_items")
 
-    def __init__(self, layout: "PackedLayout", flat: torch.Tensor, handle: Any = None):
-        self.flat, self.nbytes, self.handle = flat, layout.nbytes, handle
+    def __init__(self, layout: "PackedLayout", flat: torch.Tensor):
+        self.flat, self.nbytes = flat, layout.nbytes
         self.array = flat.numpy()        # the same memory, as the encoder hands it over
         self.views = [flat[o:o + n].view(dt).view(shape) for shape, dt, o, n in layout.items]
         self.entries = [GradEntry(shape, v) for (shape, _, _, _), v in zip(layout.items, self.views)]
@@ -154,7 +170,7 @@ class PackedPool:
             self.allocated += 1
         got = self.allocate(self.layout.nbytes) if self.allocate is not None else None
         if got is not None:
-            return PackedGrads(self.layout, *got)
+            return PackedGrads(self.layout, got[0])
         # zeroed: the padding between tensors is part of the checksummed object (the copies never write it)
         return PackedGrads(self.layout, torch.zeros(self.layout.nbytes, dtype=torch.uint8))
 
@@ -294,6 +310,7 @@ class CaptureBase:
         self.last_full_step = start_step
         self.steps_in_batch = 0
         self._copy = _HostCopier()
+        self._copy.full_pool.allocate = sink.host_memory   # a full's tensors in the sink's shared memory, if any
         if pool_bytes is not None:   # the buffers in flight are bounded by the sink's max_pending_bytes: so is the pool
             self._copy.pool.max_bytes = pool_bytes
         self._pending: Any = None

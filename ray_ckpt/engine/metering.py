@@ -4,6 +4,7 @@ meter's clocks are then read once a window.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -13,6 +14,8 @@ from ray_ckpt.policy.budget import BudgetPolicy, StepMeter
 
 #: sample records timed at attach; the least is taken (the first pays for its buffers' first touch)
 CALIBRATION_TRIES = 3
+#: at most this many steps in the batch a sample record's hand-off is encoded in (the policy's ``batch_steps``)
+MAX_BATCH = 16
 
 
 def step_meter(sink: Sink, on_window, first_short: bool = False) -> StepMeter:
@@ -45,13 +48,14 @@ def run_queue_wait() -> float:
 def calibrate(capture: Any, sink: Sink, policy: BudgetPolicy, startup: dict | None = None) -> bool:
     """What recording one step costs, timed before the first step on the training thread's CPU clock: the capture
     of a sample record (``capture.sample_record()``: the parameters standing in for the gradients) and the sink's
-    hand-off work on it (``sink.handoff_cpu``: its encode, and the checksum where this process computes it), the
-    least of :data:`CALIBRATION_TRIES`. The overhead budget's first decision comes from it
+    hand-off work on it (``sink.handoff_cpu``: its encode, and the checksum where this process computes it, in a
+    batch of the policy's ``batch_steps`` such records, per record), the least of :data:`CALIBRATION_TRIES`. The overhead budget's first decision comes from it
     (:meth:`BudgetPolicy.calibrate`); True when it will. ``startup`` gets ``"calibration"`` (seconds per step).
     Not in it: the actor calls and storage writes, whose share per step the windows measure afterwards. Training
     thread, at attach."""
     if not policy.wants_calibration:
         return False
+    batch = max(1, min(MAX_BATCH, int(getattr(policy, "batch_steps", 1) or 1)))
     best = None
     for _ in range(CALIBRATION_TRIES):
         c0 = time.thread_time()
@@ -59,7 +63,10 @@ def calibrate(capture: Any, sink: Sink, policy: BudgetPolicy, startup: dict | No
         if rec is None:
             return False
         try:
-            cost = time.thread_time() - c0 + sink.handoff_cpu(rec)
+            capture_s = time.thread_time() - c0
+            # a batch of the record's steps, as the sink encodes them together: its per-object costs shared
+            cost = capture_s + sink.handoff_cpu([dataclasses.replace(rec, step=rec.step + i)
+                                                 for i in range(batch)]) / batch
         finally:
             recycle([rec])
         best = cost if best is None else min(best, cost)

@@ -9,7 +9,7 @@ has no such capability, so that callers (``Checkpointer``, the captures) never a
 Call order, all in the training process::
 
     host_memory(nbytes)          training thread, while the capture sizes its buffers
-    handoff_cpu(record)          training thread, at attach (the overhead budget's calibration)
+    handoff_cpu(records)         training thread, at attach (the overhead budget's calibration)
     attach_capture(capture, s)   training thread, once, before the attach full
     previous_granularity()       training thread, at attach (a restart starts from the measured granularity)
     submit(item)                 training thread, every recorded step; may block (backpressure)
@@ -102,11 +102,11 @@ class Sink:
         the next step whatever the policy says (a gap in the lineage, a lost or diverged replica)."""
         return False, False
 
-    def handoff_cpu(self, record: Any) -> float:
-        """CPU seconds this process spends handing ``record`` over beyond its capture, measured by doing this
-        sink's per-record work on it in the calling thread (its encode; the checksum where this process computes
-        it), without handing it over (training thread, at attach: the overhead budget's calibration). Default:
-        0.0 (a sink that hands nothing over)."""
+    def handoff_cpu(self, records: list) -> float:
+        """CPU seconds this process spends handing ``records`` (consecutive steps' records) over beyond their
+        capture, measured by doing this sink's work on them in the calling thread (their encode as one batch; the
+        checksum where this process computes it), without handing them over (training thread, at attach: the
+        overhead budget's calibration). Default: 0.0 (a sink that hands nothing over)."""
         return 0.0
 
     def host_memory(self, nbytes: int) -> Any:

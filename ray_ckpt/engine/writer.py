@@ -226,12 +226,13 @@ class BoundedSink(Sink):
     #: to the node's worker: :func:`ray_ckpt.format.framing.unsealed`)
     checksums_here = True
 
-    def handoff_cpu(self, record) -> float:
-        """This sink's encode of ``record`` (``self.impl``'s), with the checksum where this process computes it,
-        timed on the calling thread's CPU clock (training thread, at attach; see :meth:`Sink.handoff_cpu`)."""
+    def handoff_cpu(self, records: list) -> float:
+        """This sink's encode of ``records`` (``self.impl``'s, as one batch), with the checksum where this process
+        computes it, timed on the calling thread's CPU clock (training thread, at attach; see
+        :meth:`Sink.handoff_cpu`)."""
         c0 = time.thread_time()
         with contextlib.nullcontext() if self.checksums_here else framing.unsealed():
-            self.impl.encode_diffs([record])
+            self.impl.encode_diffs(records)
         return time.thread_time() - c0
 
     @property

@@ -1,7 +1,8 @@
 """Checksums of stored objects: CRC-32C for what is written now, zlib's CRC-32 for objects written before.
 
-Every byte a training process hands over is checksummed once, where it is encoded (the sender thread, or the
-local writer thread), and verified on every read from storage. On dense records that pass was the largest
+Every byte a training process hands over is checksummed once — by the node's persistence worker as it takes a
+chunk (:func:`ray_ckpt.format.segments.seal`; the sender encodes it unsealed), or by the local writer thread as it
+encodes — and verified on every read from storage. On dense records that pass was the largest
 single cost of the sender thread: CRC-32C (Castagnoli) through the ``crc32c`` package's SSE4.2 / ARMv8
 instructions runs several times faster than zlib's CRC-32 (figures: docs/benchmark-log.md); both release the
 interpreter lock on large buffers. Both are reflected 32-bit CRCs with the same

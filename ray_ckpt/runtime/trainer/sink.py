@@ -51,6 +51,7 @@ from ray_ckpt.lineage import Manifest, diff_name, full_name, object_key
 from ray_ckpt.runtime import metrics as _metrics
 from ray_ckpt.runtime import drain as drain_watch
 from ray_ckpt.runtime import lineages
+from ray_ckpt.runtime import shared
 from ray_ckpt.runtime.shared import SharedMemoryUnavailable
 from ray_ckpt.runtime.trainer.arena import SharedArena
 from ray_ckpt.runtime.trainer.control_poll import CONTROL_S, ControlPoll
@@ -315,12 +316,10 @@ class RaySink(BoundedSink):
         m = Manifest(kind=kind, generation=self.generation, first_step=first, last_step=last,
                      object=object_key(name), nbytes=n, crc32=0, crc_alg=checksum.DEFAULT, strategy=self.impl.name,
                      info={**self.info, **info})
-        shared = None
-        if not full and self.transport.arena is not None:
-            shared = {id(r.packed.array): r.packed.handle for r, _ in items
-                      if getattr(r, "packed", None) is not None and r.packed.handle is not None}
-        c = Chunk(m, coalesce(bufs, shared), sum(s for _, s in items), [r for r, _ in items], sealed=False)
-        if shared:
+        arena = self.transport.arena   # the capture's gradient buffers and fulls live there: named, not carried
+        arrays = coalesce(bufs, describe=arena.describe if arena is not None else None)
+        c = Chunk(m, arrays, sum(s for _, s in items), [r for r, _ in items], sealed=False)
+        if any(shared.is_descriptor(a) for a in arrays):
             c.plain = coalesce(bufs)
             self.shared_chunks += 1
         self.transport.send(c)

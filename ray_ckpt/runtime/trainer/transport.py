@@ -38,10 +38,11 @@ MAX_INFLIGHT = 2
 SMALL_BUFFER = 64 << 10
 
 
-def coalesce(bufs: list, shared: dict | None = None) -> list:
+def coalesce(bufs: list, shared: dict | None = None, describe: Callable | None = None) -> list:
     """The hand-off arrays of one encoded container: its first buffer (prefix and header, kept apart so that the
     decoder can read the tensors from the parts), then the data buffers with each run of small ones joined.
-    ``shared``: ``{id(array): descriptor}`` of buffers in shared memory, handed over as their descriptor."""
+    Buffers in shared memory are handed over as their descriptor: those in ``shared`` (``{id(array):
+    descriptor}``) and those ``describe(buffer)`` names (None: not shared; the sink's arena)."""
     out = [np.frombuffer(memoryview(bufs[0]).cast("B"), dtype=np.uint8)]
     run: list = []
 
@@ -52,9 +53,12 @@ def coalesce(bufs: list, shared: dict | None = None) -> list:
             run.clear()
 
     for b in bufs[1:]:
-        if shared and id(b) in shared:
+        d = shared.get(id(b)) if shared else None
+        if d is None and describe is not None:
+            d = describe(b)
+        if d is not None:
             close_run()
-            out.append(shared[id(b)])
+            out.append(d)
             continue
         mv = memoryview(b).cast("B")
         if mv.nbytes < SMALL_BUFFER:
