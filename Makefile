@@ -83,8 +83,8 @@ bench-train-cpu: $(STAMP)
 # what recording a step costs the training process (the whole process and the training thread, by thread) next to
 # a copy of its bytes (cache-hot and rotating) and the target 2 x copy + 0.2 ms; and what handing over a full costs
 # it next to torch.save: MLPs with 2.7/13/44 MB of gradients and a top-k 1 % row, runtime="local" and "ray"
-# (a private Ray per cell), two replicas in paired rounds (~10-15 min here; python -m benchmarks.handoff --quick:
-# 2.7 MB only, ~1.5 min)
+# (a private Ray per cell), two replicas in paired rounds (14.4 min here at load average 25-40; python -m
+# benchmarks.handoff --quick: 2.7 MB only, ~1.5 min)
 bench-handoff: $(STAMP)
 	$(PY) -m benchmarks.handoff
 

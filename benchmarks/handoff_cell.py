@@ -240,7 +240,8 @@ def run_fulls(c: Cell, ck, path: str) -> list:
     """``full_reps`` interleaved pairs (after one untimed pair): a full taken through the capture and handed to the
     sink (``snapshot_now`` + ``submit``, as the attach does; two checkpointed steps and a drain before each, so
     every full is of a new step and nothing else is in flight), and ``torch.save`` of the same model and
-    optimizer state to a local file, then its fsync."""
+    optimizer state to a local file, then its fsync (the process's CPU, and the training thread's alone:
+    ``save_thread_s``)."""
     import torch
     model, opt = c.ck_rep
     module = getattr(model, "module", model)
@@ -253,13 +254,14 @@ def run_fulls(c: Cell, ck, path: str) -> list:
                 drain(ck)
                 row.update(_full_via_capture(ck))
             else:
-                p0, w0 = time.process_time(), time.perf_counter()
+                p0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
                 with open(f"{path}.{i}", "wb") as f:
                     torch.save({"model": module.state_dict(), "optimizer": opt.state_dict()}, f)
-                    p1, w1 = time.process_time(), time.perf_counter()
+                    p1, t1, w1 = time.process_time(), time.thread_time(), time.perf_counter()
                     f.flush()
                     os.fsync(f.fileno())
-                row.update(save_cpu_s=p1 - p0, save_wall_s=w1 - w0, save_bytes=os.path.getsize(f"{path}.{i}"),
+                row.update(save_cpu_s=p1 - p0, save_thread_s=t1 - t0, save_wall_s=w1 - w0,
+                           save_bytes=os.path.getsize(f"{path}.{i}"),
                            save_fsync_cpu_s=time.process_time() - p0, save_fsync_wall_s=time.perf_counter() - w0)
                 os.unlink(f"{path}.{i}")
         if i:
@@ -312,7 +314,8 @@ def _warm_up(c: Cell, ck) -> dict:
         quiet_for = quiet_for + chunk if allocated == last else 0
         last = allocated
         elapsed = time.monotonic() - t0
-        quiet = quiet_for >= max(2 * ck._capture.policy.batch_steps, 3 * c.n)
+        # (no pooled buffer at all: the top-k path gathers fresh tensors, nothing to warm)
+        quiet = allocated == 0 or quiet_for >= max(2 * ck._capture.policy.batch_steps, 3 * c.n)
         if (quiet and (steps >= c.cell["warm_steps"] or elapsed >= c.cell["warm_s"])) \
                 or elapsed >= c.cell["warm_max_s"]:
             break
