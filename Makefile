@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ray_ckpt-installed
 
 .PHONY: venv demo test test-fast reliability bench bench-quick bench-fast bench-paired bench-scaling bench-fsdp bench-amber \
-	bench-coordinator bench-scale bench-startup bench-budget bench-goodput bench-train-cpu clean
+	bench-coordinator bench-scale bench-startup bench-budget bench-goodput bench-train-cpu bench-handoff clean
 
 venv: $(STAMP)
 
@@ -79,6 +79,14 @@ bench-budget: $(STAMP)
 # second arm in paired blocks (a before/after of a change)
 bench-train-cpu: $(STAMP)
 	$(PY) -m benchmarks.train_cpu --arms $(if $(BEFORE),before=$(BEFORE) after=.,current=.)
+
+# what recording a step costs the training process (the whole process and the training thread, by thread) next to
+# a copy of its bytes (cache-hot and rotating) and the target 2 x copy + 0.2 ms; and what handing over a full costs
+# it next to torch.save: MLPs with 2.7/13/44 MB of gradients and a top-k 1 % row, runtime="local" and "ray"
+# (a private Ray per cell), two replicas in paired rounds (14.4 min here at load average 25-40; python -m
+# benchmarks.handoff --quick: 2.7 MB only, ~1.5 min)
+bench-handoff: $(STAMP)
+	$(PY) -m benchmarks.handoff
 
 # the coordinator's periodic work against the length of a run (lineages of 10,000-360,000 steps; ~1 min)
 bench-coordinator: $(STAMP)
