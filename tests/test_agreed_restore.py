@@ -22,7 +22,7 @@ def _lineage(path, steps):
     opt = T.make_optimizer("adamw", model)
     sch = T.make_scheduler(opt)
     with ray_ckpt.Checkpointer(str(path), model, opt, scheduler=sch, full_every=5, batch_steps=2,
-                               policy="fixed"):
+                               policy="fixed", recovery_every=1):
         for s in range(steps):
             T.train_step("mlp", model, opt, sch, s)
 
@@ -125,7 +125,7 @@ def _group_worker(rank, world, port, uri, out, start_fresh, until, abandon_rank1
         ck = None
         if rank == 0:
             ck = ray_ckpt.Checkpointer(storage, model, opt, scheduler=sch, extra_state=extra, start_step=start,
-                                       full_every=5, batch_steps=4, policy="fixed")
+                                       full_every=5, batch_steps=4, policy="fixed", recovery_every=1)
         # abandoning: rank 1's records go out only in batches of 4 (the longest handoff_delay: no time-based write
         # within the test), so the steps after the last full batch are surely unwritten when its process exits
         rec = _record_rank_loop(storage, rank, ddp, opt, ck, start=start, extra_state=extra,

@@ -85,7 +85,7 @@ def test_replica_increments_equal_the_trainers_and_restore_within_the_bound(run_
     # LowDiff+: the trainer sends gradient records only; the replica computes the increments
     m, o, sc = _trainee()
     ck = ray_ckpt.Checkpointer(uri, m, o, scheduler=sc, runtime="ray", run=run, full_every=FULL_EVERY,
-                               batch_steps=4, policy="fixed", durable_diffs=cfg, keep_fulls=0)
+                               batch_steps=4, policy="fixed", durable_diffs=cfg, keep_fulls=0, recovery_every=1)
     _wait_delegated(ck)
     for s in range(STEPS):
         T.train_step("mlp", m, o, sc, s)

@@ -136,7 +136,7 @@ def test_under_a_short_deadline_steps_wait_only_within_a_margin_measured_from_th
     ref = _reference(14)
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
-    ck = ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, batch_steps=50, policy="fixed")
+    ck = ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, batch_steps=50, policy="fixed", recovery_every=1)
     sink = ck._sink
     for s in range(3):
         T.train_step("mlp", model, opt, None, s)
@@ -186,7 +186,8 @@ def test_a_ray_train_group_preemption_reaches_every_ranks_writer(tmp_path, monke
     monkeypatch.setattr(drain_mod, "draining_nodes", lambda: dict(gcs))
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
-    ck = ray_ckpt.Checkpointer(str(tmp_path / "ckpt"), model, opt, full_every=1000, batch_steps=50)
+    ck = ray_ckpt.Checkpointer(str(tmp_path / "ckpt"), model, opt, full_every=1000, batch_steps=50,
+                               recovery_every=1)
     watch = drain_mod.SinkWatch(ck._sink, node=True, interval=0.05)
     try:
         group["info"] = dict(drain_mod.notice_info("other", int(time.time() * 1000) + 3_600_000),
@@ -229,7 +230,9 @@ if ray is not None:
         def __init__(self, uri, run, **kw):
             self.model = T.make_model("mlp")
             self.opt = T.make_optimizer("adamw", self.model)
-            self.ck = ray_ckpt.Checkpointer(uri, self.model, self.opt, runtime="ray", run=run, **kw)
+            # every step recorded (the drain paths under test), unless a test pins another granularity
+            self.ck = ray_ckpt.Checkpointer(uri, self.model, self.opt, runtime="ray", run=run,
+                                            **{"recovery_every": 1, **kw})
             self.step = 0
 
         def node(self):
@@ -492,7 +495,7 @@ def test_the_state_tier_replica_moves_off_a_draining_node(ray_cluster, drain_run
     model = T.make_model("mlp")
     opt = T.make_optimizer("adamw", model)
     ck = ray_ckpt.Checkpointer(uri, model, opt, runtime="ray", run=run, full_every=1000, batch_steps=4,
-                               durable_diffs="fulls", policy="fixed")
+                               durable_diffs="fulls", policy="fixed", recovery_every=1)
     removed = False
     try:
         for s in range(20):

@@ -607,7 +607,7 @@ def test_every_k_with_the_state_tier_replica_restores_each_point_bitwise(tmp_pat
     assert at == step and prev["mode"] in ("every_k", "fulls_only")
     assert 0 < prev["mtbf_s"] <= t_fail - t_start + 0.5      # the running time before the failure, not the restart
     # the run's observed running time between failures (it ran on from the read above to the attach)
-    assert prev["mtbf_s"] <= mtbf2 <= prev["mtbf_s"] + 10
+    assert prev["mtbf_s"] <= mtbf2 <= prev["mtbf_s"] + 60   # (+ the seconds in between, however loaded)
     # the same granularity, or a finer one where the failures ask for it (Young/Daly)
     assert g2["mode"] in ("every_k", "fulls_only") and 2 <= g2["k"] <= prev["k"], g2
     assert "previous attempt" in g2["reason"], g2

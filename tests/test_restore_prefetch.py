@@ -43,7 +43,7 @@ def test_one_snapshot_per_replica_state_pulled_ahead_and_restored_bitwise(tmp_pa
     sch = T.make_scheduler(opt)
     try:
         ck = ray_ckpt.Checkpointer(uri, model, opt, scheduler=sch, runtime="ray", run=run, full_every=10,
-                                   batch_steps=4)
+                                   batch_steps=4, recovery_every=1)
         replica = ray.get_actor(naming.replica_name(run), namespace=naming.NAMESPACE)
 
         def stats():

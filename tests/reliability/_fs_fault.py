@@ -51,7 +51,8 @@ def main(mode: str, uri: str, out: str) -> None:
         ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, log_to_driver=False,
                  _temp_dir=tempfile.mkdtemp(prefix="ray_fs_fault_"))
         kw = {"runtime": "ray", "run": "fs-fault", "replica": False, "batch_steps": 10}
-    ck = ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, policy="fixed", **{"batch_steps": 1, **kw})
+    ck = ray_ckpt.Checkpointer(uri, model, opt, full_every=1000, policy="fixed", recovery_every=1,
+                             **{"batch_steps": 1, **kw})
     try:
         for s in range(int(os.environ.get("FS_FAULT_STEPS", "400"))):
             T.train_step("mlp", model, opt, None, s)
