@@ -347,7 +347,7 @@ def test_a_drain_makes_a_budget_that_left_steps_unrecorded_record_every_step(ray
     run, uri = drain_run, str(tmp_path / "ckpt")
     progress = str(tmp_path / "progress.json")
     node, tr = _trainer_node(ray_cluster, uri, run, full_every=1000, batch_steps=8, policy="fixed",
-                             overhead_budget=1e-6)
+                             overhead_budget=1e-6, recovery_every=0)   # (the budget chooses)
     removed = False
     try:
         tr.train.remote(progress, 100_000, 0.02)

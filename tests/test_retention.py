@@ -124,3 +124,42 @@ def test_retention_keeps_the_base_of_each_ranks_loop_chain(tmp_path):
     assert rank_loop_head(storage, 1, 1) == STEPS
     for step in (STEPS - FULL_EVERY, STEPS):
         assert torch.equal(load_rank_loop(storage, 1, 1, step)["rng"]["torch"], rng[step]), step
+
+
+def test_retention_keeps_the_steps_a_lagging_rank_lets_the_group_restore(tmp_path):
+    """A rank's loop records go out in batches: when it dies, the group can only agree on its last written step.
+    Retention (the writer's own as fulls are written, and ``ray-ckpt gc``) keeps the main lineage back to that step,
+    so that an agreed restore still finds it: here rank 1 stops recording at step 12 while rank 0 trains on to 40
+    with a full every 5 steps and ``keep_fulls=2`` — without the rule every step before 30 would be gone."""
+    import torch
+
+    from ray_ckpt.engine import gc
+    from ray_ckpt.engine.rankloop import RankLoopRecorder, load_rank_loop, rank_loop_head
+
+    uri, lag = str(tmp_path / "ck"), 12
+    model, other = T.make_model("mlp"), T.make_model("mlp", seed=1)
+    opt, other_opt = T.make_optimizer("adamw", model), T.make_optimizer("adamw", other)
+    rng = {}
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=FULL_EVERY, batch_steps=2, policy="fixed",
+                               keep_fulls=2, recovery_every=1) as ck:
+        rank = RankLoopRecorder(ck.storage, 1, other, other_opt, main_generation=ck.generation, start_step=0,
+                                full_every=100, batch_steps=4, max_batch_delay=0)
+        for s in range(STEPS):
+            T.train_step("mlp", model, opt, None, s)
+            if s < lag:
+                T.train_step("mlp", other, other_opt, None, s)
+                rng[s + 1] = torch.get_rng_state()
+            if s + 1 == lag:
+                rank.close()                 # (as if it died here with everything written)
+    storage = open_storage(uri)
+    assert rank_loop_head(storage, 1, 1) == lag
+    lineage, _ = load_lineage(storage)
+    assert lag in lineage.reachable_steps(lineage.generations[-1])      # the writer's retention kept it
+    fulls = [mm.last_step for mm in lineage.manifests if mm.kind == "full"]
+    assert min(fulls) == 10 and max(fulls) == STEPS, fulls    # what was before the base of step 12 did go
+    out = gc.collect(storage, keep_fulls=2)                               # and the CLI's keeps it too
+    assert out.deleted == [] and out.rank_deleted == {}, out
+    m = T.make_model("mlp", seed=3)
+    o = T.make_optimizer("adamw", m)
+    assert ray_ckpt.restore(uri, m, o, step=lag) == lag
+    assert torch.equal(load_rank_loop(storage, 1, 1, lag)["rng"]["torch"], rng[lag])

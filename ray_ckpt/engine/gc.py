@@ -21,8 +21,9 @@ from typing import Callable
 
 from ray_ckpt.engine import amber_tier
 from ray_ckpt.engine.lineage_io import load_lineage
-from ray_ckpt.engine.rankloop import MAIN_GENERATION, rank_storage
-from ray_ckpt.lineage import Manifest, collectable, gc_cutoff
+from ray_ckpt.engine import rank_heads
+from ray_ckpt.engine.rank_heads import MAIN_GENERATION, rank_storage
+from ray_ckpt.lineage import Manifest, collectable
 from ray_ckpt.lineage.layout import INDEX_KEY, OBJECTS_DIR, OBJECT_SUFFIX, RANKS_DIR, parse_name
 from ray_ckpt.lineage import index as lineage_index
 from ray_ckpt.lineage import retention
@@ -59,11 +60,10 @@ def collect(storage, keep_fulls: int, *, dry_run: bool = False,
     ``keep_from``, also keep every step from ``keep_from`` on (the cutoff is then the newest full at or before it:
     the shard lineages of sharded state keep what a step complete on every rank needs)."""
     lineage, _ = load_lineage(storage, strict=False, use_index=False)
-    cutoff = gc_cutoff(lineage, keep_fulls)
-    k = keep_fulls
-    while cutoff is not None and keep_from is not None and cutoff.last_step > keep_from:
-        k += 1
-        cutoff = gc_cutoff(lineage, k)
+    floor = rank_heads.group_floor(storage, lineage.generations[-1]) if lineage.manifests else None
+    if floor is not None:   # what the ranks' loop state allows the group to restore is kept
+        keep_from = floor if keep_from is None else min(keep_from, floor)
+    cutoff = rank_heads.cutoff_keeping(lineage, keep_fulls, keep_from)
     out = GcResult(cutoff.last_step if cutoff is not None else None,
                    [m for m in lineage.manifests if collectable(lineage, m, cutoff)], dry_run=dry_run)
     ranks = rank_garbage(storage, lineage, cutoff)

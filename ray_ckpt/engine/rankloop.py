@@ -27,26 +27,16 @@ from typing import Any
 
 from ray_ckpt.engine.attachment import Attachment
 from ray_ckpt.engine.lineage_io import load_lineage
+from ray_ckpt.engine.rank_heads import (MAIN_GENERATION, generation_lineage, rank_loop_head,  # noqa: F401
+                                       rank_storage)
 from ray_ckpt.engine.loopstate import apply_loop
 from ray_ckpt.engine.lowdiff import LoopCapture, LoopImpl, LoopOnly
 from ray_ckpt.engine.restore import load_chain
 from ray_ckpt.engine.writer import AsyncWriter
-from ray_ckpt.lineage import Lineage, NoCheckpointError
-from ray_ckpt.lineage.layout import RANKS_DIR
+from ray_ckpt.lineage import NoCheckpointError
 from ray_ckpt.policy import FixedFrequencyPolicy
-from ray_ckpt.storage.prefixed import PrefixedStorage
 
 log = logging.getLogger("ray_ckpt")
-
-MAIN_GENERATION = "main_generation"
-
-
-def rank_storage(storage, rank: int) -> PrefixedStorage:
-    """The view of ``storage`` holding rank ``rank``'s loop-state lineage."""
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank loop state is kept for ranks >= 1 (rank 0's is in the main lineage), got {rank!r}")
-    return PrefixedStorage(storage, f"{RANKS_DIR}{rank}/")
-
 
 class RankLoopRecorder:
     """Records rank ``rank``'s loop state for every optimizer step of ``optimizer``. Training process of the rank.
@@ -99,28 +89,17 @@ class RankLoopRecorder:
         self._att.close(timeout)
 
 
-def _generation_lineage(storage, rank: int, main_generation: int) -> Lineage:
-    lineage, _ = load_lineage(rank_storage(storage, rank), strict=False)
-    return Lineage([m for m in lineage.manifests if m.info.get(MAIN_GENERATION) == main_generation])
-
-
-def rank_loop_head(storage, rank: int, main_generation: int) -> int | None:
-    """The last step rank ``rank`` recorded (durably) while attached to main generation ``main_generation``;
-    None when it recorded nothing then (it was not part of that world). Any process."""
-    return _generation_lineage(storage, rank, main_generation).head()
-
-
 def rank_loop_recorded(storage, rank: int, main_generation: int) -> bool:
     """Whether rank ``rank`` recorded any loop state while attached to main generation ``main_generation`` (it was
     part of that world), restorable or not. Any process."""
-    return bool(_generation_lineage(storage, rank, main_generation).manifests)
+    return bool(generation_lineage(storage, rank, main_generation).manifests)
 
 
 def load_rank_loop(storage, rank: int, main_generation: int, step: int) -> dict:
     """Rank ``rank``'s loop state after ``step`` of main generation ``main_generation`` (of the rank's timeline
     when that generation does not reach back to ``step``). Raises NoCheckpointError when it was not recorded.
     Any process."""
-    lineage = _generation_lineage(storage, rank, main_generation)
+    lineage = generation_lineage(storage, rank, main_generation)
     try:
         plan = lineage.resolve(step)
     except NoCheckpointError:   # a step of an earlier generation (a fallback went back past this one's start)

@@ -32,6 +32,7 @@ from ray_ckpt.lineage import retention
 from ray_ckpt.storage.retry import PermanentStorageError, RetryBudgetExceeded, RetryPolicy
 from ray_ckpt.storage.base import ObjectNotFound
 from ray_ckpt.engine.drains import SYNC_BEFORE_DEADLINE_S, SYNC_MIN_S, SYNC_WAIT_FACTOR, DrainNotice
+from ray_ckpt.engine import rank_heads
 from ray_ckpt.engine.lease import LeaseLost
 from ray_ckpt.engine.sink import FlushMarker, Sink, WriterError, WriterStats
 
@@ -434,6 +435,12 @@ class AsyncWriter(BoundedSink):
         if not doomed:
             return False
         try:
+            # back to the newest step every rank's loop state reaches (a Ray Train group: rank_heads)
+            cutoff = rank_heads.cutoff_keeping(lin, self.keep_fulls, rank_heads.group_floor(self.storage,
+                                                                                             self.generation))
+            doomed = [m for m in self._index if collectable(lin, m, cutoff)]
+            if not doomed:
+                return False
             # what is removed, before it goes (a restore of those steps says retention removed them)
             retention.note(self.storage, self.keep_fulls, cutoff, doomed)
             lineage_index.delete_committed(self.storage, doomed, missing=(ObjectNotFound,))

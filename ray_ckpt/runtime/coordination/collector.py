@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from ray_ckpt.engine import rank_heads
 from ray_ckpt.lineage import Manifest, collectable, gc_cutoff, retention
 from ray_ckpt.runtime.coordination.state import LineageState
 
@@ -32,6 +33,8 @@ class GarbageCollector:
         state, storage = self.state, self.state.run.storage
         lin = state.lineage(durable_only=True)  # only durable fulls count as kept
         cutoff = gc_cutoff(lin, keep_fulls)
+        if cutoff is not None and lin.generations:   # back to the newest step every rank's loop state reaches
+            cutoff = rank_heads.cutoff_keeping(lin, keep_fulls, rank_heads.group_floor(storage, lin.generations[-1]))
         if cutoff is not None:
             self.floor = (cutoff.generation, cutoff.last_step)
         doomed = [e for e in state.entries.values() if collectable(lin, e.manifest, cutoff)]
