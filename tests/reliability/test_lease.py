@@ -73,7 +73,8 @@ def test_second_writer_is_refused_then_takes_over_explicitly(tmp_path):
         ck.flush()
         out = _step(a)                                             # its next commit finds the lease taken
         assert out.startswith("WriterError:") and f"pid {os.getpid()}" in out, out
-        assert a.wait(timeout=60) == 3
+        rc = a.wait(timeout=60)
+        assert rc == 3, (rc, a.stderr.read()[-3000:])
         ck.close()
         assert not (uri / LEASE_KEY).exists()                       # released at close
         record("second writer on one lineage: refused, then explicit takeover", trials=1, recovered=1, bitwise=1,
