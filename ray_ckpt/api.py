@@ -418,7 +418,8 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
     ``runtime="ray"`` a plan that fails that way is retried from storage.
 
     ``runtime="ray"`` asks the run's coordinator for the plan and reads objects from the object store of live
-    nodes where they are held (memory tier), from storage otherwise; without a coordinator it reads storage.
+    nodes where they are held (memory tier), from storage otherwise; without a coordinator it reads storage. Its
+    INFO log record has ``ray_ckpt_restore``: ``{"step", "source" (replica, memory, storage), "replayed", ...}``.
 
     Sharded (FSDP2) ``model``/``optimizer``: call on every rank; each restores its shards of ``step`` (None: the
     newest step every saved rank holds; a step one rank lacks raises NoCheckpointError) from storage, at the saved
@@ -452,17 +453,18 @@ def restore(uri: str | os.PathLike, model: torch.nn.Module, optimizer: torch.opt
         return _restore_consolidated(storage, model, optimizer, step=step, scheduler=scheduler, scaler=scaler,
                                      extra_state=extra_state, fallback=fallback, restore_rng=restore_rng,
                                      rt=rt, run=run, t0=t0)
-    chain, unsafe = rt.load_plan(storage, step, run=run, fallback=fallback) or (None, 0)
+    chain, tiers = rt.load_plan(storage, step, run=run, fallback=fallback) or (None, {"source": "storage"})
     if chain is None:
         chain = resolve_and_load(storage, step, fallback=fallback)
     _refuse_one_shard(chain, storage)
     out = apply_chain(chain, model, optimizer, scheduler=scheduler, scaler=scaler, extra_state=extra_state,
                       restore_rng=restore_rng)
     # what a Checkpointer attached next to this optimizer needs to know (see _restored_safe)
-    setattr(optimizer, _RESTORED_FROM_ATTR, {"uri": storage.describe(), "step": out, "safe": unsafe == 0})
-    dt = time.perf_counter() - t0
-    log.info("ray_ckpt: restored step %d (full %d + %d diffs) from %s in %.3f s", out, chain.full.step,
-             len(chain.records), storage.describe(), dt)
+    setattr(optimizer, _RESTORED_FROM_ATTR, {"uri": storage.describe(), "step": out, "safe": not tiers.get("unsafe")})
+    dt, src, n = time.perf_counter() - t0, tiers["source"], len(chain.records)
+    log.info("ray_ckpt: restored step %d from %s (%s: state of step %d + %d records replayed) in %.3f s", out,
+             storage.describe(), src, chain.full.step, n, dt, extra={"ray_ckpt_restore": {
+                 "step": out, "source": src, "from_step": chain.full.step, "replayed": n, "seconds": dt}})
     rt.record_restore(storage, run, dt)
     return out
 

@@ -221,6 +221,32 @@ def test_the_plan_asks_silent_holders_again_for_memory_only_objects_and_names_th
     assert p["replica"] == {"step": 3, "node": A}
 
 
+def test_a_restores_plan_asks_the_holders_only_for_the_records_after_the_replicas_state(storage):
+    """On a live cluster the trainer's node and its peer hold every object of the chain: a restore that starts from
+    the replica's state (``replica_first``) asks them only for the records after it — nothing when it is caught
+    up; a plan without it (the replica's rebuild, a fall-back) gets every reference."""
+    st, planner, asked = _planner(storage, {A, B}, replica={"generation": 1, "step": 6, "node": B, "ok": True})
+    chain = [man("full", 0, 0), man("diff", 1, 4), man("diff", 5, 6), man("diff", 7, 8)]
+    for m in chain:
+        for node in (A, B):
+            st.add(m, node, [None], False)
+    p = planner.plan(8, replica_first=True)
+    assert p["replica"] == {"step": 6, "node": B} and p["refs_after"] == 6
+    assert [len(o["refs"]) for o in p["objects"]] == [0, 0, 0, 2]
+    assert [o["holders"] for o in p["objects"]] == [2, 2, 2, 2]   # held on two nodes all the same (not "unsafe")
+    assert asked == [({A: [diff_name(1, 7, 8)], B: [diff_name(1, 7, 8)]}, 5.0)]
+    planner.replica.progress(1, 8, B, ok=True)                 # caught up: no holder is asked at all
+    asked.clear()
+    p = planner.plan(None, replica_first=True)
+    assert p["step"] == 8 and p["refs_after"] == 8 and asked == []
+    assert all(o["refs"] == [] for o in p["objects"])
+    p = planner.plan(8)                                        # the whole chain
+    assert "refs_after" not in p and [len(o["refs"]) for o in p["objects"]] == [2, 2, 2, 2]
+    planner.replica.progress(1, 8, B, ok=False, reason="test")   # a replica that cannot serve: every reference
+    p = planner.plan(8, replica_first=True)
+    assert "replica" not in p and "refs_after" not in p and [len(o["refs"]) for o in p["objects"]] == [2, 2, 2, 2]
+
+
 # -- GarbageCollector ----------------------------------------------------------------------------------------------
 def test_gc_keeps_the_newest_fulls_chains_and_deletes_a_late_diff_of_collected_steps(storage):
     st = _state(storage, FakeCluster({A}))

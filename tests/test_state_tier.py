@@ -19,6 +19,7 @@ from ray_ckpt.cli.main import main as cli_main
 from ray_ckpt.engine.lineage_io import load_lineage
 from ray_ckpt.runtime.worker import OBJECT_STORE_SHARE
 from ray_ckpt.runtime import naming
+from ray_ckpt.runtime.trainer import client
 from ray_ckpt.runtime.trainer.client import load_via_coordinator
 from ray_ckpt.runtime.coordinator import shutdown_run
 from ray_ckpt.storage import open_storage
@@ -212,10 +213,54 @@ def test_removed_trainer_node_restores_latest_from_the_replica_with_zero_replay(
         ray_cluster.remove_node(node)
     storage = open_storage(uri)
     chain, tiers = load_via_coordinator(storage, None, run=run)
-    assert chain.step == 25 and tiers["replica"] == 1 and tiers["replayed"] == 0
+    assert chain.step == 25 and tiers["source"] == "replica" and tiers["replayed"] == 0
     m, o, sc = _fresh()
     assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == 25
     T.assert_same(ref[25], T.snapshot(m, o, sc), "latest after the trainer node was lost")
+
+
+def test_a_restore_of_the_latest_step_on_a_live_cluster_reads_the_replica(run_env, ray_cluster, caplog,
+                                                                          monkeypatch):
+    """The trainer is gone, its node alive: its worker and the peer still hold every object of the chain. The latest
+    step comes from the replica's state (nothing replayed, bitwise), and the replica answers first: the restore's
+    plan asks no holder for references it would not read. Without the replica the whole chain is planned again."""
+    run, uri = run_env
+    n = 25
+    ref = T.reference_states(n)
+    node, tr = _trainer_on_new_node(ray_cluster, uri, run, full_every=100, batch_steps=5)
+    try:
+        assert ray.get(tr.train.remote(n), timeout=300) == n
+        ray.get(tr.close.remote(), timeout=300)
+        trainer_node = ray.get(tr.node.remote())
+        ray.kill(tr)                                   # the training process is gone; its node and worker stay
+        _wait_replica_at(run, n)
+        assert ray.get(_coord(run).status.remote())["replica"]["node"] != trainer_node
+        whole = ray.get(_coord(run).plan.remote(None))
+        assert any(o["refs"] for o in whole["objects"]), whole   # the memory tier holds the chain on live nodes
+        first = ray.get(_coord(run).plan.remote(None, replica_first=True))
+        assert first["replica"]["step"] == first["refs_after"] == n and not any(o["refs"] for o in first["objects"])
+        m, o, sc = _fresh()
+        with caplog.at_level(logging.INFO, logger="ray_ckpt"):
+            assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == n
+        reports = [r.ray_ckpt_restore for r in caplog.records if hasattr(r, "ray_ckpt_restore")]
+        assert len(reports) == 1 and reports[0]["source"] == "replica" and reports[0]["replayed"] == 0, reports
+        T.assert_same(ref[n], T.snapshot(m, o, sc), "latest on the live cluster")
+
+        def no_replica(run):   # a test double: the replica is gone between the plan and the snapshot
+            raise ValueError("no replica")
+
+        monkeypatch.setattr(client.lineages, "replica", no_replica)
+        caplog.clear()
+        m, o, sc = _fresh()
+        with caplog.at_level(logging.INFO, logger="ray_ckpt"):
+            assert ray_ckpt.restore(uri, m, o, scheduler=sc, runtime="ray", run=run) == n
+        reports = [r.ray_ckpt_restore for r in caplog.records if hasattr(r, "ray_ckpt_restore")]
+        r = reports[0]
+        assert "planning the whole chain" in caplog.text
+        assert r["source"].startswith("memory") and r["replayed"] == n - r["from_step"] > 0, reports   # a full + diffs
+        T.assert_same(ref[n], T.snapshot(m, o, sc), "latest from the chain")
+    finally:
+        ray_cluster.remove_node(node)
 
 
 def test_a_new_replica_that_lands_on_the_trainers_node_is_placed_again(run_env, monkeypatch, caplog):

@@ -83,9 +83,11 @@ class TrainerRuntime:
         """The memory tier sharded restores read through (None: storage alone)."""
         return None
 
-    def load_plan(self, storage, step: int | None, *, run: str | None, fallback: bool) -> tuple[Any, int] | None:
-        """``(chain, unsafe objects)`` of an unsharded restore planned by this runtime, or None: resolve it from
-        storage."""
+    def load_plan(self, storage, step: int | None, *, run: str | None, fallback: bool) -> tuple[Any, dict] | None:
+        """``(chain, tiers)`` of an unsharded restore planned by this runtime, or None: resolve it from storage.
+        ``tiers``: ``"source"`` (where the state came from: ``"replica"``, ``"memory"``, ``"storage"``,
+        ``"memory+storage"``), ``"replayed"`` (records replayed), ``"unsafe"`` (objects of the plan neither durable
+        nor held on two nodes)."""
         return None
 
     def record_restore(self, storage, run: str | None, seconds: float) -> None:

@@ -302,12 +302,13 @@ class Coordinator(_Upkeep):
         self.clock.record_event(info)
 
     # -- restores, figures, GC -------------------------------------------------------------------------------------
-    def plan(self, step: int | None = None, at_or_before: bool = False) -> dict:
+    def plan(self, step: int | None = None, at_or_before: bool = False, replica_first: bool = False) -> dict:
         """The recovery plan for ``step`` (None = latest recoverable; ``at_or_before``: the newest recoverable step
         at or before ``step``): the manifests to read, in order, and for each the object references of live
         holders (memory tier; empty = read from durable storage); ``replica`` names the step whose state the
-        state-tier replica can hand over (:class:`~ray_ckpt.runtime.coordination.planner.RestorePlanner`)."""
-        return self.planner.plan(step, at_or_before)
+        state-tier replica can hand over; ``replica_first``: then only the objects after it get references
+        (:class:`~ray_ckpt.runtime.coordination.planner.RestorePlanner`)."""
+        return self.planner.plan(step, at_or_before, replica_first)
 
     def holder_refs(self, ask: dict, timeout: float = PLAN_REFS_TIMEOUT_S) -> dict:
         """``{node: {name: [ObjectRef]}}`` of the objects ``ask`` names per node, from the run's persistence

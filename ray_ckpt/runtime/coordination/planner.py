@@ -4,7 +4,9 @@ references of its live holders (memory tier; none: read it from storage).
 The chain starts from the newest full that reaches the step; a chain held wholly in memory is preferred among
 equally short ones, and every held object is read from memory. When the state-tier replica is usable and its
 state lies in the plan's chain, the plan names the replica's step: the restore then reads only the records after
-it.
+it. A restore's plan (``replica_first``) then asks the holders only for the references of those records: on a live
+cluster every object of the chain has live holders (the trainer's node among them), and asking them for references
+the restore does not read was most of a plan's time (see docs/state-tier.md).
 
 Runs in the coordinator actor's thread; no Ray: alive nodes and the holders' references come from callables the
 coordinator passes in (``holder_refs`` is the coordinator's own method, which the scale benchmark's subclass
@@ -39,11 +41,15 @@ class RestorePlanner:
         self.alive = alive
         self.holder_refs = holder_refs
 
-    def plan(self, step: int | None = None, at_or_before: bool = False) -> dict:
+    def plan(self, step: int | None = None, at_or_before: bool = False, replica_first: bool = False) -> dict:
         """The recovery plan for ``step`` (None = latest recoverable; ``at_or_before``: the newest recoverable
-        step at or before ``step``): ``{"step", "generation", "objects": [{"manifest", "durable", "refs"}],
-        "replica"?}``, or ``{"error": why}``. Dead nodes are forgotten (and healed) first; a step not found is
-        looked for again after reading storage."""
+        step at or before ``step``): ``{"step", "generation", "objects": [{"manifest", "durable", "refs",
+        "holders" (live nodes holding it)}], "replica"?, "refs_after"?}``, or ``{"error": why}``. Dead nodes are
+        forgotten (and healed) first; a step not found is looked for again after reading storage.
+
+        ``replica_first`` (a restore that will ask the replica for its state): when the plan names the replica,
+        only the objects after the replica's step get their holders' references (``refs_after``: that step; the
+        others' ``refs`` are empty). A reader that cannot start from the replica's state asks again without it."""
         state = self.state
         self.healing.forget_dead_nodes()
         if at_or_before and step is not None:
@@ -59,16 +65,24 @@ class RestorePlanner:
             p = self.choose(state.held_lineage(alive), step)
         except NoCheckpointError as err:
             return {"error": str(err)}
-        refs = self.refs([state.entries[m.name] for m in p.objects], alive)
-        out = {"step": p.step, "generation": p.generation,
-               "objects": [{"manifest": m.to_json(), "durable": state.entries[m.name].durable,
-                            "refs": refs.get(m.name, [])} for m in p.objects]}
-        self.replica.known()
-        if self.replica.usable(p.generation, self.alive, lambda: state.lineage().head()):
-            at = self.replica.in_chain(p.full.last_step, p.step)
-            if at is not None:
-                out["replica"] = at
+        at = self._replica_at(p, alive)
+        after = at["step"] if replica_first and at is not None else None
+        refs = self.refs([state.entries[m.name] for m in p.objects if after is None or m.last_step > after], alive)
+        out = {"step": p.step, "generation": p.generation, "objects": [
+            {"manifest": m.to_json(), "durable": state.entries[m.name].durable, "refs": refs.get(m.name, []),
+             "holders": sum(1 for node in state.entries[m.name].holders if node in alive)} for m in p.objects]}
+        if at is not None:
+            out["replica"] = at
+        if after is not None:
+            out["refs_after"] = after
         return out
+
+    def _replica_at(self, p, alive: set) -> dict | None:
+        """``{"step", "node"}`` of the replica when it serves plan ``p`` (usable, its state in ``p``'s chain)."""
+        self.replica.known()
+        if not self.replica.usable(p.generation, lambda: alive, lambda: self.state.lineage().head()):
+            return None
+        return self.replica.in_chain(p.full.last_step, p.step)
 
     def choose(self, memory, step: int | None):
         """The chain to ``step``: over everything held or durable, or over ``memory`` (the objects held on a live

@@ -261,14 +261,18 @@ def resolve_step(storage, step: int | None, *, run: str | None = None, timeout: 
 def load_via_coordinator(storage, step: int | None, *, run: str | None = None,
                          timeout: float = 60.0) -> tuple[LoadedChain, dict] | None:
     """Load the plan the coordinator gives, reading each object from a live holder's object store when one has
-    it (memory tier), else from storage. Returns ``(chain, tiers)`` or None when the run has no coordinator."""
+    it (memory tier), else from storage. Returns ``(chain, tiers)`` (``tiers["source"]``: where the state came
+    from, see :func:`ray_ckpt.runtime.plan_reader.source`) or None when the run has no coordinator. Restoring
+    process.
+
+    The replica answers first: the plan is asked ``replica_first`` (the holders are asked for references only of
+    the records after the replica's state, none when it is caught up); only when the replica cannot serve the
+    step is the whole chain planned again, with every holder's references."""
     _require_ray()
     coord = coordinator(storage, run)
     if coord is None:
         return None
-    plan = ray.get(coord.plan.remote(step), timeout=timeout)
-    if "error" in plan:
-        raise NoCheckpointError(plan["error"])
+    plan = _plan(coord, step, timeout, replica_first=True)
     snap = None
     if "replica" in plan:
         try:
@@ -278,9 +282,22 @@ def load_via_coordinator(storage, step: int | None, *, run: str | None = None,
             log.info("ray_ckpt: replica unavailable (%s); restoring from the chain", e)
             snap = None
     try:
-        return load_plan(storage, plan, timeout=timeout, snapshot=snap)
+        got = load_plan(storage, plan, timeout=timeout, snapshot=snap)
+        if got is None:   # the replica did not serve it: the whole chain, with its holders' references
+            log.info("ray_ckpt: the replica cannot serve step %d; planning the whole chain", plan["step"])
+            got = load_plan(storage, _plan(coord, plan["step"], timeout), timeout=timeout)
+        return got
     finally:
         release_prefetch()
+
+
+def _plan(coord, step: int | None, timeout: float, replica_first: bool = False) -> dict:
+    """The coordinator's plan for ``step`` (see :meth:`ray_ckpt.runtime.coordinator.Coordinator.plan`); raises
+    :class:`NoCheckpointError` when there is none. Restoring process."""
+    plan = ray.get(coord.plan.remote(step, replica_first=replica_first), timeout=timeout)
+    if "error" in plan:
+        raise NoCheckpointError(plan["error"])
+    return plan
 
 
 #: the replica snapshot pulled ahead of a restore in this process (:func:`prefetch_snapshot`), or None
@@ -322,7 +339,7 @@ def _pull_snapshot(box: dict, timeout: float, hold_s: float) -> None:
     run = box["run"]
     try:
         coord = lineages.coordinator(run)
-        plan = ray.get(coord.plan.remote(None), timeout=timeout)
+        plan = ray.get(coord.plan.remote(None, replica_first=True), timeout=timeout)
         if "error" in plan or "replica" not in plan or box["released"].is_set():
             return
         snap = ray.get(lineages.replica(run).snapshot.remote(plan["generation"], plan["step"]), timeout=timeout)

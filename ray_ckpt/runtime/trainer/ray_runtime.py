@@ -78,9 +78,9 @@ class RayRuntime(TrainerRuntime):
         if got is None:
             return None
         chain, tiers = got
-        log.info("ray_ckpt: plan read %d objects from the memory tier, %d from storage", tiers["memory"],
-                 tiers["durable"])
-        return chain, tiers.get("unsafe", 0)
+        log.info("ray_ckpt: plan read %d objects from the memory tier, %d from storage%s", tiers["memory"],
+                 tiers["durable"], " and the state-tier replica's state" if tiers.get("replica") else "")
+        return chain, tiers
 
     def record_restore(self, storage, run: str | None, seconds: float) -> None:
         client.record_restore(storage, run, seconds)
