@@ -95,6 +95,29 @@ def test_keep_fulls_zero_keeps_everything(tmp_path, ref, monkeypatch):
     T.assert_same(ref[1], state, "step 1 with keep_fulls=0")
 
 
+def _with_rank_loop(uri: str, *, keep_fulls: int, rank_steps: int) -> dict:
+    """Rank 0 trains ``STEPS`` steps (a full every ``FULL_EVERY``) beside a rank-1 loop recorder that records its
+    first ``rank_steps`` steps, then closes; rank 1's torch RNG state after each of its steps, by step."""
+    import torch
+
+    from ray_ckpt.engine.rankloop import RankLoopRecorder
+    model, other = T.make_model("mlp"), T.make_model("mlp", seed=1)
+    opt, other_opt = T.make_optimizer("adamw", model), T.make_optimizer("adamw", other)
+    rng = {}
+    with ray_ckpt.Checkpointer(uri, model, opt, full_every=FULL_EVERY, batch_steps=2, policy="fixed",
+                               keep_fulls=keep_fulls, recovery_every=1) as ck:
+        rank = RankLoopRecorder(ck.storage, 1, other, other_opt, main_generation=ck.generation, start_step=0,
+                                full_every=100, batch_steps=4, max_batch_delay=0)
+        for s in range(STEPS):
+            T.train_step("mlp", model, opt, None, s)
+            if s < rank_steps:   # rank 1's step: its loop state is the RNG after it
+                T.train_step("mlp", other, other_opt, None, s)
+                rng[s + 1] = torch.get_rng_state()
+            if s + 1 == rank_steps:
+                rank.close()
+    return rng
+
+
 def test_retention_keeps_the_base_of_each_ranks_loop_chain(tmp_path):
     """The main lineage's fulls may come far more often than a rank's loop-state fulls (every k steps under the
     overhead budget, against the rank's ``full_every``): collecting by the main lineage's cutoff must keep each
@@ -103,21 +126,10 @@ def test_retention_keeps_the_base_of_each_ranks_loop_chain(tmp_path):
     import torch
 
     from ray_ckpt.engine import gc
-    from ray_ckpt.engine.rankloop import RankLoopRecorder, load_rank_loop, rank_loop_head
+    from ray_ckpt.engine.rankloop import load_rank_loop, rank_loop_head
 
     uri = str(tmp_path / "ck")
-    model, other = T.make_model("mlp"), T.make_model("mlp", seed=1)
-    opt, other_opt = T.make_optimizer("adamw", model), T.make_optimizer("adamw", other)
-    rng = {}
-    with ray_ckpt.Checkpointer(uri, model, opt, full_every=FULL_EVERY, batch_steps=2, policy="fixed",
-                               keep_fulls=0, recovery_every=1) as ck:
-        rank = RankLoopRecorder(ck.storage, 1, other, other_opt, main_generation=ck.generation, start_step=0,
-                                full_every=100, batch_steps=4, max_batch_delay=0)
-        for s in range(STEPS):
-            T.train_step("mlp", model, opt, None, s)
-            T.train_step("mlp", other, other_opt, None, s)   # rank 1's step: its loop state is the RNG after it
-            rng[s + 1] = torch.get_rng_state()
-        rank.close()
+    rng = _with_rank_loop(uri, keep_fulls=0, rank_steps=STEPS)
     storage = open_storage(uri)
     out = gc.collect(storage, keep_fulls=2)
     assert out.kept_from_step == STEPS - FULL_EVERY and out.rank_deleted == {}, out
@@ -134,23 +146,10 @@ def test_retention_keeps_the_steps_a_lagging_rank_lets_the_group_restore(tmp_pat
     import torch
 
     from ray_ckpt.engine import gc
-    from ray_ckpt.engine.rankloop import RankLoopRecorder, load_rank_loop, rank_loop_head
+    from ray_ckpt.engine.rankloop import load_rank_loop, rank_loop_head
 
     uri, lag = str(tmp_path / "ck"), 12
-    model, other = T.make_model("mlp"), T.make_model("mlp", seed=1)
-    opt, other_opt = T.make_optimizer("adamw", model), T.make_optimizer("adamw", other)
-    rng = {}
-    with ray_ckpt.Checkpointer(uri, model, opt, full_every=FULL_EVERY, batch_steps=2, policy="fixed",
-                               keep_fulls=2, recovery_every=1) as ck:
-        rank = RankLoopRecorder(ck.storage, 1, other, other_opt, main_generation=ck.generation, start_step=0,
-                                full_every=100, batch_steps=4, max_batch_delay=0)
-        for s in range(STEPS):
-            T.train_step("mlp", model, opt, None, s)
-            if s < lag:
-                T.train_step("mlp", other, other_opt, None, s)
-                rng[s + 1] = torch.get_rng_state()
-            if s + 1 == lag:
-                rank.close()                 # (as if it died here with everything written)
+    rng = _with_rank_loop(uri, keep_fulls=2, rank_steps=lag)   # (as if rank 1 died at 12, everything written)
     storage = open_storage(uri)
     assert rank_loop_head(storage, 1, 1) == lag
     lineage, _ = load_lineage(storage)
